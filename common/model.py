@@ -1,0 +1,282 @@
+"""The Llama model every chapter trains, plus FLOP and MFU helpers.
+
+Standard Llama architecture: RMSNorm before each block, rotary position embeddings
+(rotate-half convention), grouped-query attention through
+`F.scaled_dot_product_attention`, SwiGLU MLP, untied LM head. Parameter names map
+one-to-one onto the usual Llama state-dict layout (`embed_tokens`,
+`layers.N.self_attn.q_proj`, ..., `norm`, `lm_head`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int = 8192
+    max_position_embeddings: int = 2048
+    hidden_size: int = 768
+    intermediate_size: int = 3072
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    num_key_value_heads: int = 3
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+
+    def __post_init__(self):
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} does not divide "
+                f"hidden_size={self.hidden_size}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_key_value_heads={self.num_key_value_heads} does not divide "
+                f"num_attention_heads={self.num_attention_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        for name in ("vocab_size", "max_position_embeddings", "hidden_size",
+                     "intermediate_size", "num_hidden_layers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be positive")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# Named sizes. `vocab_size` is a placeholder: the tokenizer decides it (get_config).
+PRESETS: dict[str, dict] = {
+    # trains in seconds on a CPU; for tests
+    "tiny": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256),
+    # a few million parameters; CPU demos
+    "small": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512),
+    # GPT-2-small class
+    "base": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                 num_attention_heads=12, num_key_value_heads=3, max_position_embeddings=2048),
+    # GPT-2-medium class
+    "medium": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
+                   num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=2048),
+    # about one billion parameters (TinyLlama-like shape)
+    "large": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                  num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048),
+}
+
+
+def get_config(preset: str, vocab_size: int, **overrides) -> LlamaConfig:
+    """The named preset with the tokenizer's vocabulary size."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown model preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    return LlamaConfig(vocab_size=vocab_size, **{**PRESETS[preset], **overrides})
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        # normalise in fp32 (as Llama does), then cast back
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position, cached as non-persistent buffers (not saved)."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)               # (T, head_dim/2)
+        emb = torch.cat((freqs, freqs), dim=-1)        # rotate-half layout: (T, head_dim)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, seq_len: int):
+        return self.cos[:seq_len], self.sin[:seq_len]
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x, cos, sin):
+    """x: (B, heads, T, head_dim); cos/sin: (T, head_dim)."""
+    return x * cos.to(x.dtype) + rotate_half(x) * sin.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.n_heads = config.num_attention_heads
+        self.n_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        h, kv = config.hidden_size, self.n_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(h, h, bias=False)
+        self.k_proj = nn.Linear(h, kv, bias=False)
+        self.v_proj = nn.Linear(h, kv, bias=False)
+        self.o_proj = nn.Linear(h, h, bias=False)
+
+    def forward(self, x, cos, sin, attn_mask=None):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        # Grouped-query attention: each KV head serves n_heads / n_kv_heads query heads.
+        # enable_gqa lets SDPA share them without materialising repeated copies.
+        gqa = self.n_kv_heads != self.n_heads
+        if attn_mask is None:
+            # Fast path: no mask tensor, so flash / memory-efficient kernels apply.
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            # Padding present: an additive float mask (causal + padding), see masks.py.
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask.to(q.dtype),
+                                               enable_gqa=gqa)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, attn_mask=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                                      config.rope_theta)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        # GPT-2 style: N(0, 0.02) everywhere, the two projections that write into the
+        # residual stream (o_proj, down_proj) scaled by 1/sqrt(2 * layers) so the
+        # residual's variance does not grow with depth.
+        std = 0.02
+        residual_std = std / math.sqrt(2 * self.config.num_hidden_layers)
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                nn.init.ones_(p)  # RMSNorm weights
+            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+                nn.init.normal_(p, mean=0.0, std=residual_std)
+            else:
+                nn.init.normal_(p, mean=0.0, std=std)
+
+    def forward(self, input_ids, attn_mask=None):
+        T = input_ids.shape[1]
+        if T > self.config.max_position_embeddings:
+            raise ValueError(f"sequence length {T} exceeds max_position_embeddings="
+                             f"{self.config.max_position_embeddings}")
+        cos, sin = self.rotary(T)
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, cos, sin, attn_mask)
+        return self.lm_head(self.norm(x))
+
+    @torch.no_grad()
+    def generate(self, input_ids, max_new_tokens: int, temperature: float = 0.8,
+                 top_k: int | None = 50, generator: torch.Generator | None = None,
+                 eos_id: int | None = None):
+        """Plain sampling, no KV cache: enough for a sample at the end of training."""
+        for _ in range(max_new_tokens):
+            ctx = input_ids[:, -self.config.max_position_embeddings:]
+            logits = self(ctx)[:, -1, :].float() / max(temperature, 1e-6)
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+            input_ids = torch.cat([input_ids, nxt], dim=1)
+            if eos_id is not None and bool((nxt == eos_id).all()):
+                break
+        return input_ids
+
+
+def num_parameters(model: nn.Module, exclude_embeddings: bool = False) -> int:
+    n = sum(p.numel() for p in model.parameters())
+    if exclude_embeddings:
+        n -= model.embed_tokens.weight.numel()
+    return n
+
+
+def flops_per_token(config: LlamaConfig, num_params: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6N for the matmuls (forward 2N, backward 4N) plus
+    12·L·H·Q·T for attention scores and values (L layers, H heads, Q head dim, T tokens)."""
+    L, H, Q = config.num_hidden_layers, config.num_attention_heads, config.head_dim
+    return 6 * num_params + 12 * L * H * Q * seq_len
+
+
+# bf16 dense peak TFLOP/s (no sparsity), matched by substring of the device name.
+PEAK_TFLOPS_BF16 = {
+    "H100 SXM": 989.0,
+    "H100 80GB HBM3": 989.0,
+    "H200": 989.0,
+    "A100": 312.0,
+}
+
+
+def peak_flops(device_name: str) -> float | None:
+    """Peak bf16 FLOP/s of a known device, or None (no MFU rather than a wrong one)."""
+    for key, tflops in PEAK_TFLOPS_BF16.items():
+        if key.lower() in device_name.lower():
+            return tflops * 1e12
+    return None
+
+
+def mfu(tokens_per_s_per_device: float, flops_per_tok: float, device_name: str) -> float | None:
+    """Model FLOPs utilisation: achieved FLOP/s over the device's peak."""
+    peak = peak_flops(device_name)
+    if peak is None:
+        return None
+    return tokens_per_s_per_device * flops_per_tok / peak
+
+
+def describe(config: LlamaConfig) -> str:
+    return ", ".join(f"{k}={v}" for k, v in config.to_dict().items())
+
+
+__all__ = ["LlamaConfig", "PRESETS", "get_config", "LlamaForCausalLM", "RMSNorm",
+           "RotaryEmbedding", "apply_rotary", "rotate_half", "num_parameters",
+           "flops_per_token", "peak_flops", "mfu", "describe"]
