@@ -23,7 +23,7 @@ from .model import PRESETS
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SAVE_DIR = REPO_ROOT / "outputs" if (REPO_ROOT / "pyproject.toml").exists() \
     else Path.cwd() / "outputs"
-DTYPES = ("auto", "fp32", "bf16", "fp16")
+DTYPES = ("auto", "fp32", "bf16")  # fp16 would also need a GradScaler: not this lesson
 
 
 class UsageError(Exception):
@@ -38,9 +38,15 @@ def fail(message: str, status: int = 2):
     sys.exit(status)
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag gives one line (not the usage block) and exit 2."""
+
+    def error(self, message):
+        fail(f"{message} (see --help)")
+
+
 def base_parser(chapter: str, description: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = Parser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.set_defaults(chapter=chapter)
     p.add_argument("--experiment-name", default=None,
                    help="run id and output folder name (default: <chapter>-<timestamp>)")
@@ -137,7 +143,7 @@ def check_device(device: str, dtype: str) -> None:
         elif d.type not in ("cpu", "mps"):
             raise UsageError(f"--device {device!r} is not supported (auto, cpu, cuda, cuda:N)")
     on_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
-    if dtype in ("bf16", "fp16") and not on_cuda:
+    if dtype == "bf16" and not on_cuda:
         raise UsageError(f"--dtype {dtype} needs a CUDA device; use fp32 (or auto) on CPU")
 
 
