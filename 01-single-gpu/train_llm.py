@@ -160,7 +160,7 @@ def main():
     if args.max_steps:
         total_steps = min(total_steps, args.max_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup_steps, total_steps))
-    tokens_per_step = args.batch_size * args.seq_length
+    tokens_per_step = args.batch_size * args.seq_length  # processed, padding included
     log.info("training %d steps (%d per epoch), batch %d x %d tokens", total_steps,
              steps_per_epoch, args.batch_size, args.seq_length)
 
@@ -184,7 +184,6 @@ def main():
             timer.reset()
             with timer.phase("data"):
                 x, y = next(batches)
-                n_tokens = int((y != IGNORE_INDEX).sum()) if args.padded else tokens_per_step
                 x = x.to(device, non_blocking=True)
                 y = y.to(device, non_blocking=True)
                 attn_mask = build_attention_mask(x, data.pad_id) if args.padded else None
@@ -199,8 +198,8 @@ def main():
                 optimizer.zero_grad(set_to_none=True)
                 scheduler.step()
             step += 1
-            stats.add(timer.times, n_tokens)
-            window_tokens += n_tokens
+            stats.add(timer.times, tokens_per_step)
+            window_tokens += tokens_per_step
             window_time += sum(timer.times.values())
             bar.update()
 
