@@ -288,8 +288,8 @@ def main():
     raw_model.eval()
     with autocast:
         out = raw_model.generate(torch.tensor([prompt], device=device), max_new_tokens=48,
-                             generator=torch.Generator(device).manual_seed(args.seed),
-                             eos_id=data.eot_id)
+                                 generator=torch.Generator(device).manual_seed(args.seed),
+                                 eos_id=data.eot_id)
     log.info("sample:\n%s", data.tokenizer.decode(out[0].tolist()))
 
     # The bare module's weights (no "module." prefix): they load into a plain model.

@@ -259,3 +259,25 @@ def markdown_table(rows: list[tuple[str, str]], header=("metric", "value")) -> s
 
 def throughput_table(summary: dict) -> str:
     return markdown_table(throughput_rows(summary))
+
+
+def find_baseline(path: str | os.PathLike, summary: dict) -> dict | None:
+    """A chapter 01 summary to compare a multi-process run against: the file itself if
+    `path` is one, else the newest chapter 01 run under `path` with the same preset,
+    sequence length, per-process batch, device type and dtype."""
+    path = Path(path)
+    if path.is_file():
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+    best, best_mtime = None, -1.0
+    for f in path.glob("*/summary.json") if path.is_dir() else []:
+        try:
+            s = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        same = all(s.get(k) == summary.get(k) for k in ("preset", "seq_length", "batch_size", "device", "dtype"))
+        if s.get("chapter") == "01-single-gpu" and same and f.stat().st_mtime > best_mtime:
+            best, best_mtime = s, f.stat().st_mtime
+    return best
