@@ -9,6 +9,7 @@ bucketed all-reduces during the backward pass, so every replica stays identical.
 """
 
 import atexit
+import inspect
 import json
 import math
 import os
@@ -133,8 +134,8 @@ def main():
              rank, world_size, local_rank, device, backend, dtype, args.seed)
 
     # ---- data ----------------------------------------------------------------------
-    # Rank 0 trains the tokenizer and tokenizes the corpus once; the others wait at
-    # the barrier and then read the cache it wrote.
+    # Rank 0 trains the tokenizer and tokenizes the corpus once; the others wait for
+    # its word (the broadcast below) and then read the cache it wrote.
     def load_data():
         data = build_datasets(args.dataset_name, args.seq_length, packed=not args.padded,
                               vocab_size=args.vocab_size, tokenizer_path=args.tokenizer,
@@ -178,9 +179,13 @@ def main():
     if distributed:
         # DDP broadcasts rank 0's weights to every rank, then registers hooks that
         # all-reduce gradients bucket by bucket while backward is still running.
-        # broadcast_buffers=False: our only buffers are the constant RoPE tables.
+        # Our only buffers are the constant RoPE tables: no need to re-send them
+        # before every forward (the flag was renamed in recent torch versions).
+        no_buffer_sync = ({"forward_sync_buffers": False}
+                          if "forward_sync_buffers" in inspect.signature(DDP).parameters
+                          else {"broadcast_buffers": False})
         model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None,
-                    broadcast_buffers=False)
+                    **no_buffer_sync)
 
     # ---- optimizer and schedule ----------------------------------------------------
     # No weight decay on norm weights (1-D); fused AdamW does the update in a few

@@ -145,7 +145,8 @@ def hub_reachable(timeout: float = 5.0) -> bool:
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
     url = urlparse(endpoint)
     try:
-        socket.create_connection((url.hostname, url.port or 443), timeout=timeout).close()
+        port = url.port or (80 if url.scheme == "http" else 443)
+        socket.create_connection((url.hostname, port), timeout=timeout).close()
         return True
     except OSError:
         return False
@@ -306,8 +307,12 @@ def split_documents(tokenized, val_fraction: float = 0.05, split_seed: int = 0):
 # ------------------------------------------------------------------ dataset forms
 
 def _flat_ids(tokenized) -> list[np.ndarray]:
+    if tokenized._indices is not None:  # a selection not yet materialised
+        with quiet_datasets():
+            tokenized = tokenized.flatten_indices()
     col = tokenized.data.column("ids")
-    return [np.asarray(chunk.values) for chunk in col.chunks] if col.num_chunks else []
+    # flatten(), not .values: a sliced chunk's .values is its whole parent array
+    return [np.asarray(chunk.flatten()) for chunk in col.chunks] if col.num_chunks else []
 
 
 class PackedDataset(torch.utils.data.Dataset):

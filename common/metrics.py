@@ -150,6 +150,14 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def write_jsonl(path: str | os.PathLike, records: list[dict]):
+    """Rewrite a JSON-lines file atomically (a resumed run drops lines it will redo)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    os.replace(tmp, path)
+
+
 def write_json(path: str | os.PathLike, obj: dict):
     """Write beside the target and rename, so readers never see half a file."""
     path = Path(path)

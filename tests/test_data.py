@@ -1,0 +1,284 @@
+"""Corpus, tokenizer, tokenization cache and both dataset forms; every failure is a
+one-line DataError. Small temporary corpora and a 300-token vocabulary keep it fast."""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+import time
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+
+import common.data as data
+from common.data import (BOT, EOT, IGNORE_INDEX, PAD, DataError, PackedDataset,
+                         PaddedDataset, build_datasets, check_enough_samples, get_tokenizer,
+                         load_corpus, load_tokenizer, special_ids, split_documents,
+                         stdlib_files, tokenize_corpus)
+from conftest import free_port
+
+VOCAB = 300
+DOCS = {  # relative path -> text; one document per file, several lines each
+    "a.txt": "The quick brown fox jumps over the lazy dog.\nThe dog sleeps.\n" * 3,
+    "b.md": "# Notes\n\nPacked sequences need no padding; padded ones need masks.\n",
+    "c.py": "def add(a, b):\n    return a + b\n\n\nprint(add(2, 3))\n",
+    "sub/d.txt": "Distributed data parallel averages gradients across ranks.\n" * 2,
+}
+
+
+def one_line(err: pytest.ExceptionInfo) -> str:
+    msg = str(err.value)
+    assert msg and "\n" not in msg
+    return msg
+
+
+def write_files(root, files: dict[str, str]):
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
+def ids_dataset(docs: list[list[int]]):
+    return datasets.Dataset.from_dict({"ids": docs})
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory):
+    root = write_files(tmp_path_factory.mktemp("corpus"), DOCS)
+    (root / "blank.txt").write_text("  \n\n")   # blank: dropped
+    (root / "image.bin").write_bytes(b"\x00\x01")  # not a text suffix: ignored
+    return root
+
+
+@pytest.fixture(scope="module")
+def corpus(corpus_dir):
+    return load_corpus(str(corpus_dir))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(corpus, tmp_path_factory):
+    return get_tokenizer(corpus, VOCAB, cache_dir=tmp_path_factory.mktemp("tok-cache"))
+
+
+# --------------------------------------------------------------------------- corpora
+
+def test_stdlib_corpus_is_offline_one_document_per_file(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    files = stdlib_files()
+    assert len(files) > 100
+    root = Path(sysconfig.get_paths()["stdlib"])
+    for f in files:
+        assert f.is_file() and f.suffix == ".py"
+        parts = set(f.relative_to(root).parts)
+        assert not {"site-packages", "dist-packages", "test", "tests"} & parts
+    corpus = load_corpus("stdlib")
+    texts = [t for t in (f.read_text(encoding="utf-8", errors="replace") for f in files)
+             if t.strip()]
+    assert corpus.dataset["text"] == texts
+    assert corpus.identity.startswith("stdlib-py")
+
+
+def test_local_folder_one_document_per_file(corpus):
+    assert sorted(corpus.dataset["text"]) == sorted(DOCS.values())
+    assert corpus.dataset.column_names == ["text"]
+
+
+def test_local_glob_and_single_file(corpus_dir):
+    assert load_corpus(str(corpus_dir / "*.md")).dataset["text"] == [DOCS["b.md"]]
+    assert load_corpus(str(corpus_dir / "**" / "*.txt")).dataset.num_rows == 2
+    assert load_corpus(str(corpus_dir / "c.py")).dataset["text"] == [DOCS["c.py"]]
+
+
+def test_local_jsonl_and_text_column(tmp_path):
+    rows = [{"body": f"story number {i} is short", "id": i} for i in range(4)]
+    path = tmp_path / "stories.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataError) as err:
+        load_corpus(str(path))                       # default column "text" is absent
+    assert "body" in one_line(err) and "--text-column" in one_line(err)
+    ds = load_corpus(str(path), text_column="body").dataset
+    assert ds.column_names == ["text"]
+    assert ds["text"] == [r["body"] for r in rows]
+
+
+def test_local_corpus_errors(tmp_path):
+    with pytest.raises(DataError, match="does not exist") as err:
+        load_corpus(str(tmp_path / "missing" / "*.txt"))
+    one_line(err)
+    write_files(tmp_path / "bin", {"x.bin": "data"})
+    with pytest.raises(DataError, match="holds no") as err:
+        load_corpus(str(tmp_path / "bin"))
+    one_line(err)
+    write_files(tmp_path / "mixed", {"a.txt": "hello", "b.jsonl": '{"text": "hi"}\n'})
+    with pytest.raises(DataError, match="mixes") as err:
+        load_corpus(str(tmp_path / "mixed"))
+    one_line(err)
+    write_files(tmp_path / "blank", {"a.txt": "\n  \n", "b.md": " "})
+    with pytest.raises(DataError, match="empty") as err:
+        load_corpus(str(tmp_path / "blank"))
+    one_line(err)
+
+
+def test_unreachable_hub_fails_fast_with_one_line(monkeypatch):
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{free_port()}")  # nothing listens
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    t0 = time.perf_counter()
+    with pytest.raises(DataError, match="cannot reach") as err:
+        load_corpus("someone/some-dataset")
+    assert time.perf_counter() - t0 < 5
+    assert "someone/some-dataset" in one_line(err)
+
+
+# ------------------------------------------------------------------------- tokenizer
+
+def test_tokenizer_has_special_tokens_and_round_trips(tokenizer):
+    tok, path = tokenizer
+    ids = special_ids(tok)
+    assert len(set(ids.values())) == 3 and None not in ids.values()
+    assert tok.id_to_token(ids["pad"]) == PAD and tok.id_to_token(ids["eot"]) == EOT
+    assert tok.get_vocab_size() <= VOCAB
+    text = "def f(x):\n    return 'ünïcödé' + x  # bytes never unknown\n"
+    assert tok.decode(tok.encode(text, add_special_tokens=False).ids) == text
+
+
+def test_tokenizer_is_cached_and_reused(corpus, tmp_path, monkeypatch):
+    tok, path = get_tokenizer(corpus, VOCAB, cache_dir=tmp_path)
+    assert path.startswith(str(tmp_path)) and path.endswith(".json")
+    mtime = (tmp_path / path.rsplit("/", 1)[-1]).stat().st_mtime_ns
+
+    def no_training(*a, **k):
+        raise AssertionError("retrained a cached tokenizer")
+
+    monkeypatch.setattr(data, "train_tokenizer", no_training)
+    tok2, path2 = get_tokenizer(corpus, VOCAB, cache_dir=tmp_path)
+    assert path2 == path and tok2.to_str() == tok.to_str()
+    assert (tmp_path / path.rsplit("/", 1)[-1]).stat().st_mtime_ns == mtime
+    # another vocabulary size is another tokenizer: it must train (and here cannot)
+    with pytest.raises(AssertionError, match="retrained"):
+        get_tokenizer(corpus, VOCAB + 10, cache_dir=tmp_path)
+
+
+def test_tokenizer_path_is_used_and_bad_files_refused(corpus, tokenizer, tmp_path, monkeypatch):
+    tok, path = tokenizer
+    monkeypatch.setattr(data, "train_tokenizer", None)  # a given file needs no training
+    got, got_path = get_tokenizer(corpus, VOCAB, cache_dir=tmp_path, tokenizer_path=path)
+    assert got_path == path and got.to_str() == tok.to_str()
+
+    with pytest.raises(DataError, match="does not exist") as err:
+        load_tokenizer(tmp_path / "nope.json")
+    one_line(err)
+    garbage = tmp_path / "garbage.json"
+    garbage.write_text("{ not json")
+    with pytest.raises(DataError, match="not a tokenizers JSON") as err:
+        load_tokenizer(garbage)
+    one_line(err)
+    from tokenizers import Tokenizer, models
+    plain = tmp_path / "plain.json"
+    Tokenizer(models.BPE()).save(str(plain))
+    with pytest.raises(DataError, match="lacks special tokens") as err:
+        load_tokenizer(plain)
+    assert BOT in one_line(err)
+
+
+def test_tokenization_is_cached_on_disk(corpus, tokenizer, tmp_path, monkeypatch):
+    tok, _ = tokenizer
+    first = tokenize_corpus(corpus, tok, cache_dir=tmp_path)
+    assert first.column_names == ["ids"] and len(first) == len(corpus.dataset)
+    assert [tok.decode(ids) for ids in first["ids"]] == corpus.dataset["text"]
+    assert len(list(tmp_path.glob("tokenized-*/dataset_info.json"))) == 1
+
+    def no_map(*a, **k):
+        raise AssertionError("tokenized again")
+
+    monkeypatch.setattr(datasets.Dataset, "map", no_map)
+    again = tokenize_corpus(corpus, tok, cache_dir=tmp_path)
+    assert again["ids"] == first["ids"]
+
+
+def test_split_is_by_document_and_fixed():
+    docs = ids_dataset([[i] for i in range(40)])
+    torch.manual_seed(123)  # the training seed must not matter
+    train, val = split_documents(docs, val_fraction=0.1)
+    torch.manual_seed(456)
+    train2, val2 = split_documents(docs, val_fraction=0.1)
+    assert list(val["ids"]) == list(val2["ids"]) and len(val) == 4
+    assert sorted(list(train["ids"]) + list(val["ids"])) == list(docs["ids"])
+
+
+# ---------------------------------------------------------------------- packed form
+
+def test_packed_windows_cover_the_stream_with_eot_between_documents():
+    docs = [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10]]
+    eot = 99
+    stream = [1, 2, 3, eot, 4, 5, eot, 6, 7, 8, 9, 10, eot]  # 13 tokens = 1 + 4 * 3
+    ds = PackedDataset(ids_dataset(docs), seq_len=3, eot_id=eot)
+    assert len(ds) == 4
+    xs, ys = zip(*(ds[i] for i in range(len(ds))))
+    for x, y in zip(xs, ys):
+        assert x.shape == y.shape == (3,) and x.dtype == y.dtype == torch.long
+        assert torch.equal(y[:-1], x[1:])          # targets are inputs shifted by one
+    # every token but the first is a target exactly once, in order
+    assert torch.cat(ys).tolist() == stream[1:]
+    assert torch.cat([xs[0][:1], *ys]).tolist() == stream
+    with pytest.raises(IndexError):
+        ds[len(ds)]
+
+
+def test_packed_reads_only_the_selected_documents():
+    docs = ids_dataset([[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]])
+    contiguous = PackedDataset(docs.select(range(1, 3)), seq_len=2, eot_id=0)
+    assert contiguous.tokens.tolist() == [4, 5, 0, 6, 7, 8, 9, 0]
+    shuffled = PackedDataset(docs.select([3, 0]), seq_len=2, eot_id=0)
+    assert shuffled.tokens.tolist() == [10, 0, 1, 2, 3, 0]
+
+
+# ---------------------------------------------------------------------- padded form
+
+def test_padded_rows_bot_eot_pad_and_ignored_targets():
+    bot, eot, pad = 1, 2, 0
+    docs = [[5, 6, 7], [5, 6, 7, 8, 9], [5, 6, 7, 8, 9, 10, 11, 12]]
+    ds = PaddedDataset(ids_dataset(docs), seq_len=6, bot_id=bot, eot_id=eot, pad_id=pad)
+    assert len(ds) == 3
+    (x0, y0), (x1, y1), (x2, y2) = ds[0], ds[1], ds[2]
+    assert x0.shape == y0.shape == (6,)
+    # short document: [BOT] doc [EOT] then padding; pad targets are ignored
+    assert x0.tolist() == [bot, 5, 6, 7, eot, pad]
+    assert y0.tolist() == [5, 6, 7, eot, IGNORE_INDEX, IGNORE_INDEX]
+    # exactly fits: [EOT] is the last target
+    assert x1.tolist() == [bot, 5, 6, 7, 8, 9] and y1.tolist() == [5, 6, 7, 8, 9, eot]
+    # too long: clipped, no [EOT], no padding
+    assert x2.tolist() == [bot, 5, 6, 7, 8, 9] and y2.tolist() == [5, 6, 7, 8, 9, 10]
+
+
+# -------------------------------------------------------------- the whole pipeline
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+def test_build_datasets_offline_from_a_local_folder(corpus_dir, tmp_path, packed):
+    d = build_datasets(str(corpus_dir), seq_len=16, packed=packed, vocab_size=VOCAB,
+                       cache_dir=tmp_path, val_fraction=0.25)
+    assert d.vocab_size == d.tokenizer.get_vocab_size() <= VOCAB
+    assert d.num_documents == len(DOCS)
+    assert (d.pad_id, d.bot_id, d.eot_id) == tuple(special_ids(d.tokenizer).values())
+    x, y = d.train[0]
+    assert x.shape == y.shape == (16,)
+    if packed:
+        assert (x != d.pad_id).all()
+    else:
+        assert x[0] == d.bot_id and len(d.train) + len(d.val) == len(DOCS)
+
+
+def test_too_small_datasets_are_refused(corpus_dir, tmp_path):
+    with pytest.raises(DataError, match="too small") as err:
+        build_datasets(str(corpus_dir / "c.py"), seq_len=4096, vocab_size=VOCAB,
+                       cache_dir=tmp_path)
+    one_line(err)
+    ds = PackedDataset(ids_dataset([list(range(1, 30))]), seq_len=4, eot_id=0)  # 7 samples
+    check_enough_samples(ds, 7)
+    with pytest.raises(DataError, match=r"7 samples.*global batch of 8") as err:
+        check_enough_samples(ds, 8)
+    one_line(err)

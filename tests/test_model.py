@@ -1,0 +1,319 @@
+"""The model is the standard Llama function: names, shapes, init, and the same logits
+as an independent float64 reference written here from the state dict."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from common.data import train_tokenizer
+from common.masks import build_attention_mask
+from common.model import (PRESETS, LlamaConfig, LlamaForCausalLM, RotaryEmbedding,
+                          apply_rotary, flops_per_token, get_config, mfu, num_parameters,
+                          peak_flops)
+
+VOCAB = 97
+
+
+def make_model(vocab: int = VOCAB, seed: int = 0, **overrides) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(get_config("tiny", vocab, **overrides)).eval()
+
+
+def spread_weights(model: LlamaForCausalLM, seed: int = 1) -> LlamaForCausalLM:
+    """Weights large enough that attention is far from uniform and norm weights far
+    from one, so a wrong detail (RoPE convention, head grouping, norm) shows in logits."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.copy_(0.5 + torch.rand(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.15)
+    return model
+
+
+# ------------------------------------------------------------------ config, presets
+
+EXPECTED_PRESETS = {  # hidden, intermediate, layers, heads, kv heads, positions
+    "tiny": (64, 176, 2, 4, 2, 256),
+    "small": (256, 688, 4, 8, 2, 512),
+    "base": (768, 3072, 12, 12, 3, 2048),
+    "medium": (1024, 4096, 24, 16, 4, 2048),
+    "large": (2048, 5632, 22, 32, 4, 2048),
+}
+
+
+def test_config_uses_standard_llama_field_names():
+    names = {f.name for f in dataclasses.fields(LlamaConfig)}
+    assert names == {"vocab_size", "max_position_embeddings", "hidden_size",
+                     "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "rope_theta", "rms_norm_eps"}
+
+
+@pytest.mark.parametrize("preset", list(EXPECTED_PRESETS))
+def test_preset_shapes(preset):
+    cfg = get_config(preset, vocab_size=1234)
+    got = (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers,
+           cfg.num_attention_heads, cfg.num_key_value_heads, cfg.max_position_embeddings)
+    assert got == EXPECTED_PRESETS[preset]
+    assert cfg.vocab_size == 1234  # the tokenizer decides the vocabulary, not the preset
+    assert cfg.head_dim * cfg.num_attention_heads == cfg.hidden_size
+
+
+def test_presets_listed_are_exactly_the_documented_ones():
+    assert set(PRESETS) == set(EXPECTED_PRESETS)
+    with pytest.raises(ValueError, match="huge"):
+        get_config("huge", 100)
+
+
+def test_vocabulary_comes_from_the_tokenizer():
+    tok = train_tokenizer(["def f(x):\n    return x + 1\n"] * 4, vocab_size=270)
+    model = LlamaForCausalLM(get_config("tiny", tok.get_vocab_size()))
+    assert model.embed_tokens.num_embeddings == model.lm_head.out_features == tok.get_vocab_size()
+    ids = torch.tensor([tok.encode("return x").ids])
+    assert model(ids).shape[-1] == tok.get_vocab_size()
+
+
+def test_overrides_apply():
+    cfg = get_config("tiny", 50, num_hidden_layers=3, max_position_embeddings=32)
+    assert (cfg.num_hidden_layers, cfg.max_position_embeddings, cfg.hidden_size) == (3, 32, 64)
+
+
+# ---------------------------------------------------------------- state-dict layout
+
+def expected_state_dict_shapes(cfg: LlamaConfig) -> dict[str, tuple]:
+    h, i, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    kv = cfg.num_key_value_heads * (h // cfg.num_attention_heads)
+    shapes = {"embed_tokens.weight": (V, h), "norm.weight": (h,), "lm_head.weight": (V, h)}
+    for n in range(cfg.num_hidden_layers):
+        p = f"layers.{n}."
+        shapes.update({
+            p + "self_attn.q_proj.weight": (h, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, h),
+            p + "mlp.gate_proj.weight": (i, h),
+            p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.down_proj.weight": (h, i),
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+        })
+    return shapes
+
+
+def test_state_dict_is_the_llama_layout():
+    model = make_model()
+    got = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    # exact: nothing missing, nothing extra (rotary cos/sin are non-persistent buffers)
+    assert got == expected_state_dict_shapes(model.config)
+    assert any("rotary" in name for name, _ in model.named_buffers())
+
+
+def test_logits_shape():
+    model = make_model()
+    ids = torch.randint(0, VOCAB, (3, 11))
+    assert model(ids).shape == (3, 11, VOCAB)
+
+
+# --------------------------------------------------- the same function as Llama
+
+def reference_llama(sd: dict, cfg: LlamaConfig, ids: torch.Tensor) -> torch.Tensor:
+    """Naive float64 Llama written from the architecture's definition, independent of
+    common.model: explicit RMSNorm, rotate-half RoPE from scratch, repeated KV heads,
+    softmax attention with an explicit causal mask, SwiGLU."""
+    sd = {k: v.double() for k, v in sd.items()}
+    B, T = ids.shape
+    H, KV = cfg.num_attention_heads, cfg.num_key_value_heads
+    D = cfg.hidden_size // H
+
+    def rmsnorm(x, w):
+        return w * x / torch.sqrt((x * x).mean(-1, keepdim=True) + cfg.rms_norm_eps)
+
+    # RoPE, rotate-half convention: dimension j pairs with j + D/2, frequency theta^(-2j/D)
+    j = torch.arange(D // 2, dtype=torch.float64)
+    angle = torch.arange(T, dtype=torch.float64)[:, None] * cfg.rope_theta ** (-2 * j / D)
+    cos, sin = torch.cos(angle), torch.sin(angle)          # (T, D/2)
+
+    def rope(x):                                           # (B, heads, T, D)
+        a, b = x[..., :D // 2], x[..., D // 2:]
+        return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+
+    def heads(x, n):
+        return x.view(B, T, n, D).transpose(1, 2)
+
+    causal = torch.tril(torch.ones(T, T, dtype=torch.bool))
+    x = sd["embed_tokens.weight"][ids]
+    for n in range(cfg.num_hidden_layers):
+        p = f"layers.{n}."
+        h = rmsnorm(x, sd[p + "input_layernorm.weight"])
+        q = rope(heads(h @ sd[p + "self_attn.q_proj.weight"].T, H))
+        k = rope(heads(h @ sd[p + "self_attn.k_proj.weight"].T, KV))
+        v = heads(h @ sd[p + "self_attn.v_proj.weight"].T, KV)
+        # KV head g serves query heads g*rep ... g*rep + rep - 1
+        rep = H // KV
+        k = torch.stack([k[:, qh // rep] for qh in range(H)], dim=1)
+        v = torch.stack([v[:, qh // rep] for qh in range(H)], dim=1)
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(D)
+        scores = scores.masked_fill(~causal, float("-inf"))
+        att = torch.exp(scores - scores.amax(-1, keepdim=True))
+        att = att / att.sum(-1, keepdim=True)
+        y = (att @ v).transpose(1, 2).reshape(B, T, H * D)
+        x = x + y @ sd[p + "self_attn.o_proj.weight"].T
+        h = rmsnorm(x, sd[p + "post_attention_layernorm.weight"])
+        gate = h @ sd[p + "mlp.gate_proj.weight"].T
+        up = h @ sd[p + "mlp.up_proj.weight"].T
+        x = x + (gate * torch.sigmoid(gate) * up) @ sd[p + "mlp.down_proj.weight"].T
+    return rmsnorm(x, sd["norm.weight"]) @ sd["lm_head.weight"].T
+
+
+def test_logits_equal_independent_llama_reference():
+    model = spread_weights(make_model(num_hidden_layers=3))
+    ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(0))
+    want = reference_llama(model.state_dict(), model.config, ids)
+    with torch.no_grad():
+        got = model.double()(ids)
+    assert got.dtype == torch.float64
+    assert want.abs().max() > 1.0  # logits are not trivially small
+    # (tolerance: the model's cos/sin tables are computed in float32)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
+
+
+def test_rope_scores_depend_only_on_relative_position():
+    D = 16
+    rot = RotaryEmbedding(D, max_positions=128, theta=10000.0)
+    cos, sin = rot(128)
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(D, generator=g), torch.randn(D, generator=g)
+
+    def score(m, n):
+        qm = apply_rotary(q[None, None, None], cos[m:m + 1], sin[m:m + 1])
+        kn = apply_rotary(k[None, None, None], cos[n:n + 1], sin[n:n + 1])
+        return float((qm * kn).sum())
+
+    for m, n, shift in [(5, 2, 40), (0, 0, 100), (9, 30, 17)]:
+        assert score(m, n) == pytest.approx(score(m + shift, n + shift), abs=1e-4)
+    # but a different distance gives a different score
+    assert abs(score(5, 2) - score(5, 4)) > 1e-3
+
+
+def test_causal_later_tokens_do_not_change_earlier_logits():
+    model = spread_weights(make_model())
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    changed = ids.clone()
+    t = 9
+    changed[:, t] = (ids[:, t] + 1) % VOCAB
+    with torch.no_grad():
+        a, b = model(ids), model(changed)
+    torch.testing.assert_close(a[:, :t], b[:, :t], rtol=0, atol=1e-6)
+    assert (a[:, t:] - b[:, t:]).abs().amax() > 1e-3
+
+
+def test_gqa_equals_explicitly_repeated_kv_heads():
+    """A GQA model (enable_gqa in SDPA) equals a full multi-head model whose K/V
+    projections are the GQA ones with each KV head's rows copied for its query heads."""
+    gqa = spread_weights(make_model())
+    H, KV, D = gqa.config.num_attention_heads, gqa.config.num_key_value_heads, gqa.config.head_dim
+    assert KV < H
+    mha = make_model(num_key_value_heads=H)
+    sd = gqa.state_dict()
+    for key, w in list(sd.items()):
+        if key.endswith(("k_proj.weight", "v_proj.weight")):
+            sd[key] = w.view(KV, D, -1).repeat_interleave(H // KV, dim=0).reshape(H * D, -1)
+    mha.load_state_dict(sd)
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    ids[1, 8:] = 0  # padding in the second sample, for the masked path
+    mask = build_attention_mask(ids, pad_id=0)
+    with torch.no_grad():
+        torch.testing.assert_close(gqa(ids), mha(ids), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(gqa(ids, mask), mha(ids, mask), rtol=1e-5, atol=1e-5)
+
+
+def test_masked_path_equals_fast_path_without_padding():
+    model = spread_weights(make_model())
+    pad_id = 0
+    ids = torch.randint(1, VOCAB, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        fast = model(ids)                                     # is_causal, no mask tensor
+        masked = model(ids, build_attention_mask(ids, pad_id))  # additive causal mask
+    torch.testing.assert_close(masked, fast, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- init
+
+def test_gpt2_style_init_and_untied_head():
+    L = 8
+    model = make_model(vocab=512, num_hidden_layers=L)
+    residual_std = 0.02 / math.sqrt(2 * L)
+    for name, p in model.named_parameters():
+        if p.dim() == 1:
+            assert torch.equal(p, torch.ones_like(p)), name
+            continue
+        want = residual_std if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+        assert p.std().item() == pytest.approx(want, rel=0.08), name
+        assert abs(p.mean().item()) < want / 10, name
+    # untied: a separate tensor with its own values
+    assert model.lm_head.weight.data_ptr() != model.embed_tokens.weight.data_ptr()
+    assert not torch.equal(model.lm_head.weight, model.embed_tokens.weight)
+
+
+# --------------------------------------------------------------------- config errors
+
+def test_heads_must_divide_hidden_size():
+    with pytest.raises(ValueError, match=r"num_attention_heads=5.*hidden_size=64"):
+        LlamaConfig(hidden_size=64, num_attention_heads=5, num_key_value_heads=5)
+
+
+def test_kv_heads_must_divide_heads():
+    with pytest.raises(ValueError, match=r"num_key_value_heads=3.*num_attention_heads=4"):
+        LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=3)
+
+
+def test_sequence_longer_than_positions_is_refused():
+    model = make_model(max_position_embeddings=16)
+    model(torch.zeros(1, 16, dtype=torch.long))  # exactly the limit is fine
+    with pytest.raises(ValueError, match=r"17.*max_position_embeddings=16"):
+        model(torch.zeros(1, 17, dtype=torch.long))
+
+
+# -------------------------------------------------------------------------- helpers
+
+def test_num_parameters_counts_every_weight():
+    model = make_model()
+    cfg = model.config
+    h, i, V, L = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_hidden_layers
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    per_layer = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h
+    want = 2 * V * h + L * per_layer + h
+    assert num_parameters(model) == want
+    assert num_parameters(model, exclude_embeddings=True) == want - V * h
+
+
+def test_flops_per_token():
+    cfg = get_config("tiny", VOCAB)   # L=2, H=4, Q=16
+    assert flops_per_token(cfg, 1000, 64) == 6 * 1000 + 12 * 2 * 4 * 16 * 64
+    cfg = get_config("base", 8192)    # L=12, H=12, Q=64
+    assert flops_per_token(cfg, 10**8, 1024) == 6e8 + 12 * 12 * 12 * 64 * 1024
+
+
+@pytest.mark.parametrize("name, peak", [
+    ("NVIDIA H100 80GB HBM3", 989e12),
+    ("NVIDIA H100 SXM5 80GB", 989e12),
+    ("NVIDIA H200", 989e12),
+    ("NVIDIA A100-SXM4-80GB", 312e12),
+    ("NVIDIA A100 80GB PCIe", 312e12),
+    ("NVIDIA H100 PCIe", None),       # a different part with a different peak
+    ("NVIDIA GeForce RTX 4090", None),
+    ("CPU Intel(R) Xeon(R) (2 cores)", None),
+])
+def test_peak_flops(name, peak):
+    assert peak_flops(name) == peak
+
+
+def test_mfu():
+    assert mfu(1e5, 1e9, "CPU (2 cores)") is None
+    assert mfu(1e5, 1e9, "NVIDIA H100 80GB HBM3") == pytest.approx(1e14 / 989e12)
+    assert mfu(2e4, 3e9, "NVIDIA A100-SXM4-40GB") == pytest.approx(6e13 / 312e12)
