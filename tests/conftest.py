@@ -1,0 +1,70 @@
+"""Shared test helpers: one tokenizer/corpus cache per test session, and runners for
+the chapter scripts as a user would launch them (python or torchrun, as subprocesses)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Small settings every chapter smoke test uses.
+TINY = ["--model-preset", "tiny", "--seq-length", "64", "--batch-size", "4",
+        "--log-freq", "1", "--val-batches", "2", "--warmup-steps", "2", "--num-workers", "0"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def guide_cache(tmp_path_factory):
+    """Every test and every subprocess shares one cache, filled once here, so runs
+    that start together never race to train the same tokenizer."""
+    cache = tmp_path_factory.mktemp("llm-guide-cache")
+    os.environ["LLM_GUIDE_CACHE"] = str(cache)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from common.data import build_datasets
+
+    build_datasets("stdlib", seq_len=64, cache_dir=cache)
+    return cache
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(cmd: list[str], *, timeout: float = 300, cwd: Path = REPO, env: dict | None = None,
+        check: bool = True) -> subprocess.CompletedProcess:
+    """Run a command; stdout and stderr kept apart; on an unexpected status, fail with
+    the output so the log says why."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=full_env, capture_output=True,
+                          text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        pytest.fail(f"{' '.join(map(str, cmd))} exited {proc.returncode}\n"
+                    f"--- stdout\n{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def python_cmd(script: str | Path, *args) -> list[str]:
+    return [sys.executable, str(REPO / script), *map(str, args)]
+
+
+def torchrun_cmd(nproc: int, script: str | Path, *args, extra: list[str] | None = None) -> list[str]:
+    """torchrun on one machine, as the READMEs launch it (a free port, so tests that run
+    one after another never collide on the default 29500)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={nproc}", *(extra or []), str(REPO / script), *map(str, args)]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(Path(path).read_text())
