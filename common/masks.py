@@ -25,7 +25,8 @@ import torch
 
 def _neg(dtype: torch.dtype) -> float:
     # The most negative finite value, not -inf: adding two masks then clamping stays
-    # finite, and even a fully masked row would give a uniform softmax, never NaN.
+    # finite. (Cast to bf16 for autocast it may round to -inf; harmless, since every
+    # row keeps at least one real key.)
     return torch.finfo(dtype).min
 
 
