@@ -1,0 +1,320 @@
+"""Lay many runs side by side: `python -m common.report [RUN_DIR ...]`.
+
+Reads every `summary.json` under the given folders (default: `outputs/`), prints one
+Markdown comparison table and writes, into `--out`:
+
+  report.md          the same table, with warnings and notes
+  tokens_per_s.png   tokens/s per run (bars coloured by device)
+  step_time.png      mean step time split into data / forward / backward / update
+  loss.png           the loss curve of every run (from its metrics.jsonl)
+
+Numbers measured on different hardware are not comparable as equals, so the device is
+part of every row, and a warning line precedes the table when the runs come from more
+than one device.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .cli import DEFAULT_SAVE_DIR, Parser
+from .metrics import PHASES, markdown_table
+
+# Keys without which a summary cannot be placed in the table.
+REQUIRED_KEYS = ("chapter", "experiment_name", "launcher", "world_size", "num_devices",
+                 "device_name", "dtype", "tokens_per_s", "tokens_per_s_per_device",
+                 "step_time_s", "peak_memory_mb")
+PLOTS = ("tokens_per_s.png", "step_time.png", "loss.png")
+
+
+@dataclass
+class Run:
+    path: Path                 # the summary.json
+    summary: dict
+    metrics: list[dict] = field(default_factory=list)  # metrics.jsonl beside it, if any
+
+    @property
+    def name(self) -> str:
+        return self.summary["experiment_name"]
+
+    @property
+    def device(self) -> str:
+        return f"{self.summary['device_name']} × {self.summary['num_devices']}"
+
+
+def find_summaries(paths) -> list[Path]:
+    """Every summary.json named or found (recursively) under the given paths, once each.
+    A path that does not exist raises FileNotFoundError."""
+    found: dict[Path, None] = {}  # ordered set
+    for p in map(Path, paths):
+        if not p.exists():
+            raise FileNotFoundError(f"{str(p)!r} does not exist")
+        candidates = [p] if p.is_file() else sorted(p.rglob("summary.json"))
+        for c in candidates:
+            found.setdefault(c.resolve(), None)
+    return list(found)
+
+
+def read_loss_curve(path: Path) -> list[dict]:
+    """Records of metrics.jsonl that carry a loss, one per step. A resumed run (chapter 04)
+    logs the steps between its last checkpoint and the crash twice; the later record
+    (the run that survived) wins. A torn last line is ignored rather than fatal."""
+    by_step: dict[int, dict] = {}
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("step"), (int, float)) \
+                and isinstance(rec.get("loss"), (int, float)):
+            by_step[int(rec["step"])] = rec
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def load_runs(summary_paths, warn=None) -> list[Run]:
+    """Parse each summary; a corrupt or incomplete one is skipped with a warning line.
+    Sorted by chapter, then experiment name."""
+    warn = warn or (lambda msg: print(msg, file=sys.stderr))
+    runs = []
+    for path in map(Path, summary_paths):
+        try:
+            summary = json.loads(path.read_text())
+            if not isinstance(summary, dict):
+                raise ValueError("not a JSON object")
+            missing = [k for k in REQUIRED_KEYS if k not in summary]
+            if missing:
+                raise ValueError(f"missing keys {', '.join(missing)}")
+            numbers = [summary["tokens_per_s"], *(summary["step_time_s"].get(p) for p in PHASES)]
+            if not all(isinstance(v, (int, float)) for v in numbers):
+                raise ValueError("tokens_per_s or a step_time_s phase is not a number")
+            run = Run(path, summary)
+            table_rows([run])  # every cell must format: fail here, not halfway through
+        except (OSError, UnicodeDecodeError, ValueError, TypeError, KeyError, AttributeError) as e:
+            warn(f"warning: skipping {path}: {e}")
+            continue
+        metrics_path = path.with_name("metrics.jsonl")
+        run.metrics = read_loss_curve(metrics_path) if metrics_path.is_file() else []
+        runs.append(run)
+    runs.sort(key=lambda r: (str(r.summary["chapter"]), str(r.name)))
+    return runs
+
+
+def _num(v, digits=1, scale=1.0, suffix=""):
+    return "n/a" if v is None else f"{v * scale:,.{digits}f}{suffix}"
+
+
+def table_rows(runs: list[Run]) -> list[dict]:
+    """One dict of formatted cells per run, in table order."""
+    rows = []
+    for r in runs:
+        s = r.summary
+        st = s["step_time_s"]
+        ck = s.get("checkpoint") or {}
+        kind = {"cuda_max_allocated": "CUDA", "process_peak_rss": "RSS"}.get(
+            s.get("peak_memory_kind"), s.get("peak_memory_kind") or "")
+        rows.append({
+            "chapter": str(s["chapter"]),
+            "run": str(r.name),
+            "launcher": str(s["launcher"]),
+            "world size": str(s["world_size"]),
+            "device": r.device,
+            "dtype": str(s["dtype"]),
+            "preset": str(s.get("preset", "n/a")),
+            "tokens/step": _num(s.get("tokens_per_step"), 0),
+            "tokens/s": _num(s["tokens_per_s"], 0),
+            "tokens/s/device": _num(s["tokens_per_s_per_device"], 0),
+            **{f"{p} ms": _num(st[p], 1, 1e3) for p in PHASES},
+            "step ms": _num(st.get("total", sum(st[p] for p in PHASES)), 1, 1e3),
+            "peak memory": f"{_num(s['peak_memory_mb'], 0)} MB {kind}".rstrip(),
+            "MFU": _num(s.get("mfu"), 1, 100, "%"),
+            "final loss": _num(s.get("final_loss"), 4),
+            "ckpt save ms": _num(ck.get("save_s"), 0, 1e3) if ck else "-",
+        })
+    return rows
+
+
+def comparison_table(runs: list[Run]) -> str:
+    """A Markdown table, one row per run, columns aligned for reading in a terminal."""
+    rows = table_rows(runs)
+    cols = list(rows[0])
+    widths = {c: max(len(c), *(len(r[c]) for r in rows)) for c in cols}
+    # text columns left, numbers right (Markdown alignment markers, too)
+    left = {"chapter", "run", "launcher", "device", "dtype", "preset", "peak memory"}
+
+    def cell(c, v):
+        return f"{v:<{widths[c]}}" if c in left else f"{v:>{widths[c]}}"
+
+    lines = ["| " + " | ".join(cell(c, c) for c in cols) + " |",
+             "| " + " | ".join("-" * widths[c] if c in left else "-" * (widths[c] - 1) + ":"
+                               for c in cols) + " |"]
+    lines += ["| " + " | ".join(cell(c, r[c]) for c in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def device_warning(runs: list[Run]) -> str | None:
+    names = sorted({str(r.summary["device_name"]) for r in runs})
+    if len(names) > 1:
+        return (f"warning: these runs come from {len(names)} different devices "
+                f"({'; '.join(names)}): compare numbers only between rows of the same device.")
+    return None
+
+
+def notes_section(runs: list[Run]) -> list[str]:
+    return [f"- {r.name}: {note}" for r in runs for note in r.summary.get("notes") or []]
+
+
+def render_report(runs: list[Run]) -> str:
+    """What is printed and saved as report.md (without the image links)."""
+    parts = []
+    warning = device_warning(runs)
+    if warning:
+        parts.append(warning)
+    parts.append(comparison_table(runs))
+    parts.append("tokens/s counts tokens of the whole global batch (all processes); "
+                 "step times are means over measured steps (warm-up left out). "
+                 "Peak memory: CUDA = allocator peak per GPU, RSS = peak resident set of "
+                 "one process.")
+    notes = notes_section(runs)
+    if notes:
+        parts.append("Notes:\n" + "\n".join(notes))
+    return "\n\n".join(parts)
+
+
+# --- plots -----------------------------------------------------------------------------
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; works without a display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _device_colours(runs):
+    names = list(dict.fromkeys(str(r.summary["device_name"]) for r in runs))
+    palette = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown"]
+    return {n: palette[i % len(palette)] for i, n in enumerate(names)}
+
+
+def plot_tokens_per_s(runs: list[Run], path: Path) -> Path:
+    plt = _pyplot()
+    colours = _device_colours(runs)
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(runs) + 2), 4.5))
+    x = range(len(runs))
+    values = [r.summary["tokens_per_s"] for r in runs]
+    bars = ax.bar(x, values, color=[colours[str(r.summary["device_name"])] for r in runs])
+    ax.bar_label(bars, labels=[f"{v:,.0f}" for v in values], fontsize=8)
+    ax.set_xticks(list(x), [f"{r.name}\n× {r.summary['num_devices']}" for r in runs],
+                  rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("tokens/s (whole global batch)")
+    ax.set_title("Training throughput")
+    # one legend entry per device, so bars of different hardware are not read as equals
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
+    ax.legend(handles, list(colours), fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_step_time(runs: list[Run], path: Path) -> Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(runs) + 2), 4.5))
+    x = list(range(len(runs)))
+    bottom = [0.0] * len(runs)
+    for phase in PHASES:
+        ms = [r.summary["step_time_s"][phase] * 1e3 for r in runs]
+        ax.bar(x, ms, bottom=bottom, label=phase)
+        bottom = [b + m for b, m in zip(bottom, ms)]
+    ax.set_xticks(x, [f"{r.name}\n{r.summary['device']} × {r.summary['num_devices']}"
+                      for r in runs], rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("mean step time (ms)")
+    ax.set_title("Where a step's time goes")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_loss(runs: list[Run], path: Path) -> Path | None:
+    """All loss curves on one chart; None (nothing written) when no run has metrics."""
+    with_metrics = [r for r in runs if r.metrics]
+    if not with_metrics:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    # runs that should coincide (01 and 02, 03 and 04) do: varied line styles keep the
+    # curve underneath visible
+    styles = ["-", "--", ":", "-."]
+    for i, r in enumerate(with_metrics):
+        ax.plot([m["step"] for m in r.metrics], [m["loss"] for m in r.metrics],
+                linestyle=styles[i % len(styles)], linewidth=2.2 - 0.3 * (i % len(styles)),
+                marker="." if len(r.metrics) < 30 else None, label=r.name)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title("Loss (a step of a W-process run covers W times the samples)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_report(runs: list[Run], out: Path) -> tuple[str, list[Path]]:
+    """Write report.md and the plots into `out`; return the report text and the files."""
+    out.mkdir(parents=True, exist_ok=True)
+    text = render_report(runs)
+    written = [plot_tokens_per_s(runs, out / "tokens_per_s.png"),
+               plot_step_time(runs, out / "step_time.png")]
+    loss = plot_loss(runs, out / "loss.png")
+    if loss:
+        written.append(loss)
+    images = "\n".join(f"![{p.stem}]({p.name})" for p in written)
+    md = out / "report.md"
+    md.write_text(f"# Run comparison\n\n{text}\n\n{images}\n")
+    return text, [md, *written]
+
+
+def main(argv=None) -> int:
+    p = Parser(prog="python -m common.report",
+                                description="Compare runs: Markdown table and PNG plots.")
+    p.add_argument("run_dirs", nargs="*", metavar="RUN_DIR",
+                   help=f"run folders or their parents (default: {DEFAULT_SAVE_DIR})")
+    p.add_argument("--out", default=None,
+                   help="output folder (default: the RUN_DIR when one is given, "
+                        "else outputs/report)")
+    args = p.parse_args(argv)
+    paths = args.run_dirs or [str(DEFAULT_SAVE_DIR)]
+    if args.out:
+        out = Path(args.out)
+    elif len(args.run_dirs) == 1:
+        out = Path(args.run_dirs[0])
+        out = out.parent if out.is_file() else out
+    else:
+        out = DEFAULT_SAVE_DIR / "report"
+    if out.exists() and not out.is_dir():
+        print(f"error: --out {str(out)!r} exists and is not a folder", file=sys.stderr)
+        return 2
+    try:
+        summaries = find_summaries(paths)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    runs = load_runs(summaries)
+    if not runs:
+        print(f"error: no readable summary.json under {', '.join(paths)}", file=sys.stderr)
+        return 2
+    text, files = write_report(runs, out)
+    print(text)
+    print(f"\nwrote {', '.join(f.name for f in files)} to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,451 @@
+"""Run every chapter in order, then compare them: `python -m common.tour`.
+
+Each chapter is launched as a real subprocess, exactly as its README launches it (python
+for 01 and 02, torchrun for 03, 04 and 05), on the embedded dataset with a small model
+and short runs: a few minutes on a laptop CPU, larger sizes on GPUs. Every chapter's full
+output is saved to `<out>/<name>.log`; at the end the runs are laid side by side with
+`common.report` (Markdown table + plots) and chapter 05's benchmark tables are printed.
+
+    python -m common.tour                      # everything
+    python -m common.tour --chapters 01,03     # a subset
+    python -m common.tour --dry-run            # only print the commands
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import report
+from .cli import DEFAULT_SAVE_DIR, REPO_ROOT, Parser, UsageError
+from .model import PRESETS
+
+CHAPTERS = ("01-single-gpu", "02-data-parallel", "03-ddp", "04-checkpointing", "05-collectives")
+
+
+@dataclass
+class Step:
+    chapter: str              # the chapter folder, e.g. "05-collectives"
+    name: str                 # run / log name, e.g. "05-bench"
+    argv: list[str]           # what is executed (cwd = repository root)
+    display: str              # what a reader would type
+    env: dict = field(default_factory=dict)   # extra environment variables
+    note: str = ""            # why this step looks the way it does
+
+
+@dataclass
+class Sizes:
+    """How big the tour's runs are, chosen for the hardware found."""
+    preset: str
+    seq_length: int
+    batch_size: int
+    steps: int
+    nproc: int
+    val_batches: int
+    num_workers: int
+    bench_max_bytes: int
+    bench_iters: int
+
+
+def default_sizes(gpus: int) -> Sizes:
+    if gpus:
+        # GPT-2-small class at a realistic sequence length; still about a minute a chapter
+        return Sizes("base", 1024, 8, 100, gpus, 20, 2, 256 * 2**20, 20)
+    # about 20-40 s a chapter on a 2-core CPU; two processes, as a reader's laptop can
+    return Sizes("small", 128, 8, 30, 2, 4, 0, 4 * 2**20, 5)
+
+
+def parse_chapters(text: str) -> list[str]:
+    """'01,03' or '01-single-gpu,03-ddp' -> chapter folder names, in tour order."""
+    wanted = set()
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        match = [c for c in CHAPTERS if item in (c, c[:2], c[:2].lstrip("0"))]
+        if not match:
+            raise UsageError(f"--chapters: unknown chapter {item!r}; choose from "
+                             f"{', '.join(c[:2] for c in CHAPTERS)} (or the folder names)")
+        wanted.add(match[0])
+    if not wanted:
+        raise UsageError("--chapters: name at least one chapter, e.g. --chapters 01,03")
+    return [c for c in CHAPTERS if c in wanted]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="python -m common.tour", description=__doc__.split("\n\n")[0])
+    p.add_argument("--chapters", default=",".join(c[:2] for c in CHAPTERS),
+                   help="comma-separated chapters to run, e.g. 01,03 (default: all)")
+    p.add_argument("--preset", default=None, help=f"model preset ({', '.join(PRESETS)}); "
+                   "default: small on CPU, base on GPU")
+    p.add_argument("--steps", type=int, default=None,
+                   help="optimizer steps per chapter (default: 30 on CPU, 100 on GPU)")
+    p.add_argument("--seq-length", type=int, default=None, help="default: 128 on CPU, 1024 on GPU")
+    p.add_argument("--batch-size", type=int, default=None, help="per process; default 8")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="processes for 03/04/05 (default: the number of GPUs, else 2)")
+    p.add_argument("--out", default=None, help="tour folder (default: outputs/tour-<timestamp>)")
+    p.add_argument("--quiet", action="store_true", help="one line per chapter instead of its output")
+    p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    return p
+
+
+def parse_args(argv=None, gpus: int | None = None) -> argparse.Namespace:
+    """Parse and check everything before any work; raises UsageError. `gpus` (default:
+    the CUDA devices here) picks the sizes; tests pass it to plan for other machines."""
+    args = build_parser().parse_args(argv)
+    if gpus is None:
+        import torch
+
+        gpus = torch.cuda.device_count()
+    args.gpus = gpus
+    args.chapter_list = parse_chapters(args.chapters)
+    sizes = default_sizes(gpus)
+    for name in ("preset", "steps", "seq_length", "batch_size", "nproc"):
+        if getattr(args, name) is not None:
+            setattr(sizes, name, getattr(args, name))
+    args.sizes = sizes
+    if sizes.preset not in PRESETS:
+        raise UsageError(f"--preset {sizes.preset!r} is unknown; choose one of {', '.join(PRESETS)}")
+    for name in ("steps", "seq_length", "batch_size", "nproc"):
+        if getattr(sizes, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(sizes, name)})")
+    max_pos = PRESETS[sizes.preset]["max_position_embeddings"]
+    if sizes.seq_length > max_pos:
+        raise UsageError(f"--seq-length {sizes.seq_length} exceeds the {sizes.preset!r} preset's "
+                         f"max_position_embeddings={max_pos}")
+    if gpus and sizes.nproc > gpus:
+        raise UsageError(f"--nproc {sizes.nproc}: only {gpus} GPU(s) here, and NCCL needs one "
+                         f"GPU per process")
+    if "04-checkpointing" in args.chapter_list and sizes.steps < 3:
+        raise UsageError(f"--steps {sizes.steps}: chapter 04 needs at least 3 (a checkpoint, "
+                         f"then a crash, then the resumed run)")
+    out = Path(args.out) if args.out else DEFAULT_SAVE_DIR / f"tour-{time.strftime('%Y%m%d-%H%M%S')}"
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UsageError(f"--out {str(out)!r} already exists and is not an empty folder; "
+                         f"choose another or remove it")
+    args.out_dir = out.resolve()
+    return args
+
+
+def crash_plan(steps: int) -> tuple[int, int]:
+    """(checkpoint every K steps, crash at step S): S falls between the first and second
+    checkpoint, so the resumed run has to redo a few steps."""
+    ckpt_freq = max(1, steps // 3)
+    return ckpt_freq, ckpt_freq + max(1, ckpt_freq // 2)
+
+
+def _rel(path: Path) -> str:
+    """Paths as a reader at the repository root would type them."""
+    try:
+        return str(path.relative_to(REPO_ROOT))
+    except ValueError:
+        return str(path)
+
+
+def build_plan(args) -> list[Step]:
+    """The commands of the tour, in order."""
+    s: Sizes = args.sizes
+    out = _rel(args.out_dir)
+    py_exec, py_show = [sys.executable], ["python"]
+
+    def torchrun(n):
+        opts = ["--standalone", f"--nproc-per-node={n}"]
+        # python -m torch.distributed.run is torchrun, without needing it on PATH
+        return [sys.executable, "-m", "torch.distributed.run", *opts], ["torchrun", *opts]
+
+    def step(chapter, name, launch, rest, env=None, note=""):
+        exec_prefix, show_prefix = launch
+        env = env or {}
+        shown = " ".join(f"{k}={v}" for k, v in env.items())
+        display = (shown + " " if shown else "") + shlex.join(show_prefix + rest)
+        return Step(chapter, name, exec_prefix + rest, display, env, note)
+
+    def train_flags(name):
+        return ["--experiment-name", name, "--save-dir", out, "--dataset-name", "stdlib",
+                "--model-preset", s.preset, "--seq-length", str(s.seq_length),
+                "--batch-size", str(s.batch_size), "--max-steps", str(s.steps),
+                # --max-steps decides the length; enough epochs that the small corpus
+                # never ends a run first
+                "--num-epochs", "100", "--warmup-steps", str(max(1, s.steps // 10)),
+                "--log-freq", str(max(1, s.steps // 10)), "--val-batches", str(s.val_batches),
+                "--num-workers", str(s.num_workers)]
+
+    plan = []
+    for chapter in args.chapter_list:
+        script = f"{chapter}/train_llm.py"
+        if chapter == "01-single-gpu":
+            plan.append(step(chapter, chapter, (py_exec, py_show), [script, *train_flags(chapter)]))
+        elif chapter == "02-data-parallel":
+            note = ("one process; DataParallel splits each batch over the visible GPUs"
+                    if args.gpus > 1 else
+                    "one process; with fewer than 2 GPUs DataParallel has nothing to split "
+                    "over, so the script trains the plain module and says so")
+            plan.append(step(chapter, chapter, (py_exec, py_show), [script, *train_flags(chapter)],
+                             note=note))
+        elif chapter == "03-ddp":
+            plan.append(step(chapter, chapter, torchrun(s.nproc), [script, *train_flags(chapter)],
+                             note=f"{s.nproc} process(es) of batch {s.batch_size}: global batch "
+                                  f"{s.nproc * s.batch_size}"))
+        elif chapter == "04-checkpointing":
+            freq, crash = crash_plan(s.steps)
+            exec_prefix, show_prefix = torchrun(s.nproc)
+            launch = (exec_prefix + ["--max-restarts=3"], show_prefix + ["--max-restarts=3"])
+            plan.append(step(chapter, chapter, launch,
+                             [script, *train_flags(chapter), "--ckpt-freq", str(freq),
+                              "--crash-at-step", str(crash)],
+                             note=f"checkpoints every {freq} steps and crashes on purpose at step "
+                                  f"{crash}; torchrun restarts it and it resumes from step {freq}"))
+        elif chapter == "05-collectives":
+            plan += collectives_steps(args, out, step, torchrun)
+    return plan
+
+
+def collectives_steps(args, out, step, torchrun) -> list[Step]:
+    """Chapter 05 needs two or more processes. With fewer GPUs than that, it runs two CPU
+    processes over gloo (CUDA hidden), which shows the same collectives, just slower."""
+    s: Sizes = args.sizes
+    env, note, n = {}, "", s.nproc
+    sizes = s
+    if n < 2:
+        n = 2
+        if args.gpus:
+            env = {"CUDA_VISIBLE_DEVICES": ""}
+            # CPU sizes, except where the reader chose them
+            sizes = default_sizes(0)
+            for name in ("preset", "steps", "seq_length", "batch_size"):
+                if getattr(args, name) is not None:
+                    setattr(sizes, name, getattr(args, name))
+        note = ("collectives need two or more processes: running 2 CPU processes (gloo)"
+                + (" with CUDA hidden" if args.gpus else ""))
+    # each mode of ddp_from_scratch trains from scratch: a few steps show it equals DDP
+    scratch_steps = max(2, sizes.steps // 5)
+    # on GPUs also the overlapped mode (what DDP does); on CPU it only adds minutes
+    modes = ["--modes", "naive,bucketed,overlap,ddp"] if args.gpus and not env else []
+    d = "05-collectives"
+    return [
+        step(d, "05-collectives-demo", torchrun(n), [f"{d}/collectives_demo.py"], env, note),
+        step(d, "05-bench", torchrun(n),
+             [f"{d}/bench_collectives.py", "--max-bytes", str(sizes.bench_max_bytes),
+              "--iters", str(sizes.bench_iters), "--save-dir", out,
+              "--experiment-name", "05-bench"], env, note),
+        step(d, "05-ddp-from-scratch", torchrun(n),
+             [f"{d}/ddp_from_scratch.py", "--model-preset", sizes.preset,
+              "--seq-length", str(sizes.seq_length), "--batch-size", str(sizes.batch_size),
+              "--steps", str(scratch_steps), *modes, "--save-dir", out,
+              "--experiment-name", "05-ddp-from-scratch"], env, note),
+    ]
+
+
+def script_of(step: Step) -> str:
+    return next((a for a in step.argv if a.endswith(".py")), step.argv[0])
+
+
+# --- running ---------------------------------------------------------------------------
+
+def _clock(seconds: float) -> str:
+    m, s = divmod(int(round(seconds)), 60)
+    return f"{m}m{s:02d}s" if m else f"{seconds:.1f}s"
+
+
+def run_step(step: Step, log_path: Path, quiet: bool) -> int:
+    """Run one command, its output streamed live (unless quiet) and saved to the log.
+    Raw bytes pass through, so progress bars keep working in a terminal."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **step.env}
+    with open(log_path, "wb") as log:
+        log.write(f"$ {step.display}\n".encode())
+        log.flush()
+        proc = subprocess.Popen(step.argv, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT)
+        try:
+            while chunk := os.read(proc.stdout.fileno(), 65536):
+                log.write(chunk)
+                if not quiet:
+                    sys.stdout.buffer.write(chunk)
+                    sys.stdout.flush()
+        except KeyboardInterrupt:
+            proc.wait()  # the child got the same Ctrl-C; let it finish its cleanup
+            raise
+        return proc.wait()
+
+
+def log_tail(path: Path, lines: int = 25) -> str:
+    text = path.read_bytes().decode(errors="replace").replace("\r", "\n")
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def read_json(path: Path) -> dict | list | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def bench_table(obj) -> str | None:
+    """bench_collectives.json as one row per message size, one busbw column per collective
+    (the number to hold against the link speed), plus the time per call of the largest."""
+    rows = obj.get("rows") if isinstance(obj, dict) else None
+    if not rows:
+        return None
+    ops = list(dict.fromkeys(r["op"] for r in rows))
+    sizes = sorted({r["requested_bytes"] for r in rows})
+    cell = {(r["op"], r["requested_bytes"]): r for r in rows}
+    header = ["size"] + ops
+    body = [[_bytes(n)] + [_gbps(cell[op, n]["busbw_gbps"]) if (op, n) in cell else "-" for op in ops]
+            for n in sizes]
+    body.append([f"time/call at {_bytes(sizes[-1])}"] +
+                [f"{cell[op, sizes[-1]]['time_s'] * 1e6:,.0f} us" if (op, sizes[-1]) in cell else "-"
+                 for op in ops])
+    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(header)]
+    lines = ["| " + " | ".join(f"{h:<{w}}" for h, w in zip(header, widths)) + " |",
+             "| " + " | ".join("-" * w if i == 0 else "-" * (w - 1) + ":" for i, w in enumerate(widths)) + " |"]
+    lines += ["| " + " | ".join(f"{c:<{w}}" if i == 0 else f"{c:>{w}}"
+                                for i, (c, w) in enumerate(zip(b, widths))) + " |" for b in body]
+    head = (f"{obj.get('world_size')} ranks, {obj.get('backend')}, {obj.get('device_name')}, "
+            f"{obj.get('dtype')}, {obj.get('iters')} timed calls per size; busbw in GB/s")
+    return head + "\n\n" + "\n".join(lines) + "".join(f"\nnote: {n}" for n in obj.get("notes") or [])
+
+
+def scratch_table(obj) -> str | None:
+    """ddp_from_scratch.json: one row per mode (hand-written data parallelism vs DDP)."""
+    modes = obj.get("modes") if isinstance(obj, dict) else None
+    if not modes:
+        return None
+    rows = []
+    for mode, r in modes.items():
+        sync = r.get("sync_time_s_mean")
+        rel = r.get("max_rel_diff_vs_ddp")
+        vs = r.get("tokens_per_s_vs_ddp")
+        rows.append((mode, f"{r['tokens_per_s']:,.0f}", f"{100 * vs:.1f}%" if vs else "n/a",
+                     f"{r['step_time_s_mean'] * 1e3:,.1f}",
+                     f"{sync * 1e3:,.1f}" if sync is not None else "inside backward",
+                     str(r.get("allreduce_calls_per_step") or "DDP's buckets"),
+                     f"{rel:.2e}" if rel is not None else "n/a"))
+    header = ("mode", "tokens/s", "vs DDP", "step ms", "exposed all-reduce ms",
+              "all_reduce calls/step", "max rel diff vs DDP")
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    # mode left, numbers right
+    lines = ["| " + " | ".join(f"{c:<{w}}" for c, w in zip(header, widths)) + " |",
+             "| " + " | ".join("-" * w if i == 0 else "-" * (w - 1) + ":"
+                               for i, w in enumerate(widths)) + " |"]
+    lines += ["| " + " | ".join(f"{c:<{w}}" if i == 0 else f"{c:>{w}}"
+                                for i, (c, w) in enumerate(zip(row, widths))) + " |" for row in rows]
+    verdict = ("every mode matches DDP" if obj.get("passed")
+               else "MISMATCH: " + "; ".join(obj.get("failures") or []))
+    head = (f"{obj.get('world_size')} ranks, {obj.get('backend')}, {obj.get('device_name')}, "
+            f"preset {obj.get('preset')}, {obj.get('steps')} steps per mode: {verdict}")
+    return head + "\n\n" + "\n".join(lines)
+
+
+def _gbps(x: float) -> str:
+    return f"{x:.3g}" if x < 1 else f"{x:,.2f}"
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:g} {unit}"
+    return f"{n} B"
+
+
+def print_summary(args, steps_run: list[Step], started: float):
+    out, s = args.out_dir, args.sizes
+    print(f"\n=== tour finished in {_clock(time.perf_counter() - started)}: comparison ===\n", flush=True)
+    runs = report.load_runs(report.find_summaries([out]))
+    files = []
+    if runs:
+        text, files = report.write_report(runs, out)
+        print(text)
+        if any(c[:2] in ("03", "04") for c in args.chapter_list):
+            print(f"\nBatch sizes: every process ran a batch of {s.batch_size} x {s.seq_length} "
+                  f"tokens. 01 and 02 are one process (02's DataParallel splits its batch over "
+                  f"the GPUs), so their step covers {s.batch_size} samples; 03 and 04 run "
+                  f"{s.nproc} process(es), so their step covers {s.nproc} x {s.batch_size} = "
+                  f"{s.nproc * s.batch_size} samples. tokens/s counts them all; compare tokens/s "
+                  f"per device across chapters.")
+            if not args.gpus and s.nproc > 1:
+                print(f"On CPU the {s.nproc} processes share the same {os.cpu_count()} cores: "
+                      f"more processes add no compute, so expect no speed-up here. The mechanics "
+                      f"are the lesson; GPUs show the scaling.")
+    for name, title, render in (
+            ("bench_collectives.json", "05 collective benchmark", bench_table),
+            ("ddp_from_scratch.json", "05 data parallelism from collectives", scratch_table)):
+        for path in sorted(out.rglob(name)):
+            table = render(read_json(path))
+            if table:
+                print(f"\n{title} ({_rel(path)}):\n\n{table}")
+                files += [path, *sorted(path.parent.glob("*.png"))]
+    print(f"\nfiles in {_rel(out)}:")
+    for f in files:
+        print(f"  {_rel(f)}")
+    for st in steps_run:
+        print(f"  {_rel(out / (st.name + '.log'))}")
+
+
+def main(argv=None) -> int:
+    try:
+        args = parse_args(argv)
+        plan = build_plan(args)
+        missing = sorted({script_of(st) for st in plan if not (REPO_ROOT / script_of(st)).is_file()})
+        if missing and not args.dry_run:
+            raise UsageError(f"not found: {', '.join(missing)} (is this the repository root?)")
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    total = len(args.chapter_list)
+    index = {c: i for i, c in enumerate(args.chapter_list, 1)}
+    if args.dry_run:
+        print(f"# the tour would run, from {REPO_ROOT}:")
+        for st in plan:
+            flag = "  # missing" if script_of(st) in missing else ""
+            print(f"[{index[st.chapter]}/{total}] {st.chapter}: {st.display}{flag}")
+        return 0
+
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    print(f"tour of {total} chapter(s) into {_rel(args.out_dir)}: preset {args.sizes.preset}, "
+          f"seq {args.sizes.seq_length}, batch {args.sizes.batch_size} per process, "
+          f"{args.sizes.steps} steps, {args.sizes.nproc} process(es) for torchrun chapters"
+          + (f", {args.gpus} GPU(s)" if args.gpus else ", CPU"), flush=True)
+    started = time.perf_counter()
+    done = []
+    for st in plan:
+        tag = f"[{index[st.chapter]}/{total}] {st.chapter}"
+        log_path = args.out_dir / f"{st.name}.log"
+        t0 = time.perf_counter()
+        if args.quiet:
+            print(f"{tag}: {Path(script_of(st)).name} ...", end=" ", flush=True)
+        else:
+            print(f"\n=== {tag}: {Path(script_of(st)).name} "
+                  f"(tour at {_clock(t0 - started)}) ===", flush=True)
+            if st.note:
+                print(f"# {st.note}")
+            print(f"$ {st.display}\n", flush=True)
+        try:
+            status = run_step(st, log_path, args.quiet)
+        except KeyboardInterrupt:
+            print(f"\ninterrupted during {st.chapter}; its output so far is in {_rel(log_path)}",
+                  file=sys.stderr)
+            return 130
+        took = _clock(time.perf_counter() - t0)
+        if status != 0:
+            if args.quiet:
+                print("FAILED", flush=True)
+                print(log_tail(log_path), file=sys.stderr)
+            print(f"\nerror: chapter {st.chapter} failed with exit status {status} after {took}\n"
+                  f"  command: {st.display}\n  full output: {_rel(log_path)}", file=sys.stderr)
+            return 1
+        done.append(st)
+        if args.quiet:
+            print(f"ok ({took})", flush=True)
+        else:
+            print(f"\n=== {tag}: done in {took} ===", flush=True)
+    print_summary(args, done, started)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""`python -m common.report`: one row per run with the right figures, the device in every
+row, a warning when devices differ, valid PNGs, corrupt summaries skipped, exit 2 when
+there is nothing to report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from common import report
+from common.metrics import StepStats, build_summary, write_json
+from conftest import REPO, run
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+def fake_run(run_dir: Path, chapter: str, *, world: int, phases: dict, tokens: int,
+             final_loss: float, losses: list[float], device_name: str | None = None,
+             mfu: float | None = None, extra: dict | None = None) -> dict:
+    """A run folder as a chapter writes it: summary.json from the real build_summary
+    (so the schema is the real one) and metrics.jsonl."""
+    run_dir.mkdir(parents=True)
+    args = argparse.Namespace(experiment_name=run_dir.name, model_preset="tiny",
+                              seq_length=64, batch_size=4)
+    stats = StepStats(warmup=0)
+    for _ in range(5):
+        stats.add(phases, tokens)
+    s = build_summary(chapter=chapter, args=args, world_size=world, device="cpu",
+                      dtype="fp32", num_params=123_456, flops_per_token=1e6, stats=stats,
+                      tokens_per_step=tokens, final_loss=final_loss, val_loss=final_loss + 0.1,
+                      wall_time_s=3.0, num_devices=world, backend="gloo" if world > 1 else None,
+                      extra=extra)
+    if device_name:  # pretend it ran elsewhere: the fields a GPU run would carry
+        s.update(device="cuda", device_name=device_name, mfu=mfu,
+                 peak_memory_kind="cuda_max_allocated")
+    write_json(run_dir / "summary.json", s)
+    with open(run_dir / "metrics.jsonl", "w") as f:
+        for step, loss in enumerate(losses, 1):
+            f.write(json.dumps({"step": step, "loss": loss, "lr": 1e-3}) + "\n")
+    return s
+
+
+@pytest.fixture
+def runs_dir(tmp_path):
+    """Three runs in nested folders, created out of order; two on this CPU, one 'H100'."""
+    root = tmp_path / "runs"
+    fake_run(root / "b" / "04-ckpt", "04-checkpointing", world=2, tokens=2048,
+             phases={"data": 0.001, "forward": 0.002, "backward": 0.004, "update": 0.001},
+             final_loss=3.25, losses=[6.0, 5.0, 4.0], device_name=H100, mfu=0.42,
+             extra={"checkpoint": {"size_mb": 10.0, "save_s": 0.123, "save_mb_per_s": 81.3,
+                                   "load_s": 0.05}})
+    fake_run(root / "a" / "03-ddp", "03-ddp", world=2, tokens=2048,
+             phases={"data": 0.02, "forward": 0.2, "backward": 0.4, "update": 0.1},
+             final_loss=4.0, losses=[6.5, 5.5, 4.5, 4.0],
+             extra={"notes": ["global batch is 2 x 4 samples"]})
+    fake_run(root / "a" / "01-single", "01-single-gpu", world=1, tokens=1024,
+             phases={"data": 0.01, "forward": 0.1, "backward": 0.2, "update": 0.05},
+             final_loss=2.5, losses=[6.0, 4.0, 2.5])
+    return root
+
+
+def table_rows(text: str) -> list[list[str]]:
+    """Body rows of the first Markdown table in `text`, as stripped cells."""
+    lines = [l for l in text.splitlines() if l.startswith("|")]
+    return [[c.strip() for c in l.strip("|").split("|")] for l in lines[2:]]
+
+
+def header(text: str) -> list[str]:
+    line = next(l for l in text.splitlines() if l.startswith("|"))
+    return [c.strip() for c in line.strip("|").split("|")]
+
+
+def assert_png(path: Path):
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE, f"{path} is not a PNG"
+    assert len(data) > 1000, f"{path} is suspiciously small"
+
+
+def test_report_in_process(runs_dir, tmp_path, capsys):
+    out = tmp_path / "report"
+    assert report.main([str(runs_dir), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    cols = header(printed)
+    rows = table_rows(printed)
+    assert len(rows) == 3
+    # ordered by chapter, then name
+    assert [r[cols.index("chapter")] for r in rows] == ["01-single-gpu", "03-ddp", "04-checkpointing"]
+    by_name = {r[cols.index("run")]: dict(zip(cols, r)) for r in rows}
+
+    one = by_name["01-single"]
+    assert one["tokens/s"] == f"{1024 / 0.36:,.0f}"       # 2,844
+    assert one["tokens/s/device"] == f"{1024 / 0.36:,.0f}"
+    assert (one["data ms"], one["forward ms"], one["backward ms"], one["update ms"],
+            one["step ms"]) == ("10.0", "100.0", "200.0", "50.0", "360.0")
+    assert one["world size"] == "1" and one["launcher"] == "python"
+    assert one["MFU"] == "n/a" and one["ckpt save ms"] == "-"
+    assert one["final loss"] == "2.5000"
+    assert one["peak memory"].endswith("MB RSS")
+
+    ddp = by_name["03-ddp"]
+    assert ddp["tokens/s"] == f"{2048 / 0.72:,.0f}"
+    assert ddp["tokens/s/device"] == f"{1024 / 0.72:,.0f}"  # total over 2 devices
+    assert ddp["device"].endswith("× 2")
+
+    ck = by_name["04-ckpt"]
+    assert ck["device"] == f"{H100} × 2"
+    assert ck["MFU"] == "42.0%"
+    assert ck["ckpt save ms"] == "123"
+    assert ck["tokens/s"] == f"{2048 / 0.008:,.0f}"
+    assert ck["peak memory"].endswith("MB CUDA")
+
+    # the device is in every row; runs on two devices are flagged above the table
+    for r in rows:
+        assert r[cols.index("device")].startswith(("CPU", "NVIDIA"))
+    before_table = printed.split("|", 1)[0]
+    assert "warning" in before_table and "2 different devices" in before_table
+    assert "global batch is 2 x 4 samples" in printed  # notes are carried
+
+    md = (out / "report.md").read_text()
+    assert len(table_rows(md)) == 3 and "2 different devices" in md
+    for name in report.PLOTS:
+        assert_png(out / name)
+        assert f"]({name})" in md
+
+
+def test_report_subprocess_default_out_and_single_device(runs_dir):
+    """As a reader runs it; one RUN_DIR → files land there; one device → no warning."""
+    only_cpu = runs_dir / "a"
+    proc = run([sys.executable, "-m", "common.report", only_cpu])
+    rows = table_rows(proc.stdout)
+    assert len(rows) == 2
+    assert "warning" not in proc.stdout and proc.stderr == ""
+    assert "report.md" in proc.stdout
+    for name in ("report.md", *report.PLOTS):
+        assert (only_cpu / name).stat().st_size > 0
+    assert_png(only_cpu / "loss.png")
+
+
+def test_corrupt_summary_is_skipped_with_warning(runs_dir, tmp_path, capsys):
+    bad = runs_dir / "c" / "broken"
+    bad.mkdir(parents=True)
+    (bad / "summary.json").write_text('{"chapter": "01-single-gpu", "tokens_')
+    incomplete = runs_dir / "c" / "incomplete"
+    incomplete.mkdir()
+    (incomplete / "summary.json").write_text('{"chapter": "01-single-gpu"}')
+    wrong_type = runs_dir / "c" / "wrong-type"
+    wrong_type.mkdir()
+    s = json.loads((runs_dir / "a" / "01-single" / "summary.json").read_text())
+    (wrong_type / "summary.json").write_text(json.dumps({**s, "tokens_per_s": "fast"}))
+    assert report.main([str(runs_dir), "--out", str(tmp_path / "r")]) == 0
+    captured = capsys.readouterr()
+    assert len(table_rows(captured.out)) == 3
+    warnings = captured.err.splitlines()
+    assert len(warnings) == 3 and all(w.startswith("warning: skipping") for w in warnings)
+    assert any(str(bad / "summary.json") in w for w in warnings)
+    assert any(str(incomplete / "summary.json") in w and "missing keys" in w for w in warnings)
+    assert any(str(wrong_type / "summary.json") in w and "not a number" in w for w in warnings)
+
+
+def test_resumed_run_loss_curve_keeps_surviving_records(tmp_path):
+    """Chapter 04 logs steps after its last checkpoint twice (before the crash, after the
+    resume): the curve keeps one point per step, the later one; torn lines are ignored."""
+    path = tmp_path / "metrics.jsonl"
+    lines = [{"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.0}, {"step": 3, "loss": 3.9},
+             {"step": 2, "loss": 4.1}, {"step": 3, "loss": 3.0}, {"step": 4, "loss": 2.0}]
+    path.write_text("".join(json.dumps(l) + "\n" for l in lines) + '{"step": 5, "lo')
+    assert [(m["step"], m["loss"]) for m in report.read_loss_curve(path)] == \
+        [(1, 5.0), (2, 4.1), (3, 3.0), (4, 2.0)]
+
+
+def test_nothing_to_report_exits_2(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for target in (empty, tmp_path / "does-not-exist"):
+        proc = run([sys.executable, "-m", "common.report", target], check=False)
+        assert proc.returncode == 2
+        assert proc.stdout == ""
+        assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith("error:")
+    assert not any(empty.iterdir())  # nothing written when there is nothing to report

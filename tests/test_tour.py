@@ -1,0 +1,183 @@
+"""`python -m common.tour`: the plan (every chapter, in order, launched as its README
+says), flag validation before any work, failure reporting, and a real short tour that
+ends with the comparison report."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from common import tour
+from common.cli import UsageError
+from conftest import REPO, run
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def plan_for(tmp_path, *flags, gpus=0):
+    return tour.build_plan(tour.parse_args([*flags, "--out", str(tmp_path / "t")], gpus=gpus))
+
+
+def flag(step, name):
+    return step.argv[step.argv.index(name) + 1]
+
+
+def test_plan_runs_every_chapter_in_order_as_the_readmes_launch_them(tmp_path):
+    plan = plan_for(tmp_path)
+    assert list(dict.fromkeys(s.chapter for s in plan)) == list(tour.CHAPTERS)
+    assert [s.name for s in plan] == ["01-single-gpu", "02-data-parallel", "03-ddp",
+                                      "04-checkpointing", "05-collectives-demo", "05-bench",
+                                      "05-ddp-from-scratch"]
+    by_name = {s.name: s for s in plan}
+    for name in ("01-single-gpu", "02-data-parallel"):
+        assert by_name[name].display.startswith(f"python {name}/train_llm.py ")
+        assert by_name[name].argv[:2] == [sys.executable, f"{name}/train_llm.py"]
+    for s in plan[2:]:
+        # CPU default: two processes; executed via python -m, shown as torchrun
+        assert s.display.startswith("torchrun --standalone --nproc-per-node=2 ")
+        assert s.argv[:3] == [sys.executable, "-m", "torch.distributed.run"]
+        assert s.env == {}
+    ck = by_name["04-checkpointing"]
+    assert "--max-restarts=3" in ck.argv
+    freq, crash = int(flag(ck, "--ckpt-freq")), int(flag(ck, "--crash-at-step"))
+    assert (freq, crash) == (10, 15)                   # between the 1st and 2nd checkpoint
+    assert int(flag(ck, "--max-steps")) == 30
+    # one per-process batch and one run folder for every chapter; each run its own name
+    train = plan[:4]
+    assert {flag(s, "--batch-size") for s in train} == {"8"}
+    assert {flag(s, "--save-dir") for s in plan if "--save-dir" in s.argv} == {str(tmp_path / "t")}
+    assert [flag(s, "--experiment-name") for s in train] == [s.name for s in train]
+    assert all(flag(s, "--dataset-name") == "stdlib" for s in train)
+
+
+def test_plan_sizes_follow_the_hardware(tmp_path):
+    eight = plan_for(tmp_path, gpus=8)
+    assert flag(eight[0], "--model-preset") == "base" and flag(eight[0], "--seq-length") == "1024"
+    assert all("--nproc-per-node=8" in s.display for s in eight[2:])
+    # one GPU: 03/04 run one process; 05 needs two, so it runs on CPU (gloo), and says so
+    one = plan_for(tmp_path, gpus=1)
+    by_name = {s.name: s for s in one}
+    assert "--nproc-per-node=1" in by_name["03-ddp"].display
+    for s in one[4:]:
+        assert s.env == {"CUDA_VISIBLE_DEVICES": ""} and "--nproc-per-node=2" in s.display
+        assert s.display.startswith("CUDA_VISIBLE_DEVICES= torchrun") and "gloo" in s.note
+    # the reader's choices win
+    mine = plan_for(tmp_path, "--preset", "tiny", "--steps", "9", "--seq-length", "32",
+                    "--batch-size", "3", "--nproc", "3")
+    assert [flag(mine[0], f) for f in ("--model-preset", "--max-steps", "--seq-length", "--batch-size")] \
+        == ["tiny", "9", "32", "3"]
+    assert "--nproc-per-node=3" in mine[2].display
+    assert (flag(mine[3], "--ckpt-freq"), flag(mine[3], "--crash-at-step")) == ("3", "4")
+
+
+def test_chapter_selection(tmp_path):
+    plan = plan_for(tmp_path, "--chapters", "03,1")      # any order, with or without 0
+    assert [s.name for s in plan] == ["01-single-gpu", "03-ddp"]
+    plan = plan_for(tmp_path, "--chapters", "05-collectives")
+    assert {s.chapter for s in plan} == {"05-collectives"} and len(plan) == 3
+    with pytest.raises(UsageError, match="unknown chapter '06'"):
+        tour.parse_args(["--chapters", "01,06"], gpus=0)
+    with pytest.raises(UsageError, match="only 2 GPU"):
+        tour.parse_args(["--nproc", "4"], gpus=2)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--chapters", "01,06"], "unknown chapter"),
+    (["--chapters", ","], "at least one chapter"),
+    (["--steps", "0"], "--steps must be at least 1"),
+    (["--chapters", "04", "--steps", "2"], "chapter 04 needs at least 3"),
+    (["--preset", "huge"], "--preset 'huge' is unknown"),
+    (["--preset", "tiny", "--seq-length", "4096"], "exceeds"),
+    (["--bogus"], "unrecognized arguments"),
+])
+def test_bad_flags_exit_2_with_one_line_before_any_work(tmp_path, capsys, flags, message):
+    out = tmp_path / "never"
+    try:  # in-process (fast); argparse's own errors exit through SystemExit
+        code = tour.main([*flags, "--out", str(out)])
+    except SystemExit as e:
+        code = e.code
+    captured = capsys.readouterr()
+    assert code == 2, captured.err
+    assert captured.out == "" and len(captured.err.strip().splitlines()) == 1
+    assert message in captured.err
+    assert not out.exists()
+
+
+def test_bad_flag_from_the_command_line(tmp_path):
+    proc = run([sys.executable, "-m", "common.tour", "--chapters", "01,06"], check=False)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        "error: --chapters: unknown chapter '06'; choose from 01, 02, 03, 04, 05 (or the folder names)"]
+
+
+def test_non_empty_out_is_refused_and_dry_run_runs_nothing(tmp_path, capsys):
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "keep.txt").write_text("mine")
+    assert tour.main(["--out", str(used)]) == 2
+    assert "not an empty folder" in capsys.readouterr().err
+    assert [p.name for p in used.iterdir()] == ["keep.txt"]
+
+    fresh = tmp_path / "fresh"
+    proc = run([sys.executable, "-m", "common.tour", "--dry-run", "--out", fresh])
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("[")]
+    assert len(lines) == 7
+    assert lines[0].startswith("[1/5] 01-single-gpu: python 01-single-gpu/train_llm.py")
+    assert lines[3].startswith("[4/5] 04-checkpointing: torchrun --standalone "
+                               "--nproc-per-node=2 --max-restarts=3 04-checkpointing/train_llm.py")
+    assert "--crash-at-step 15" in lines[3]
+    assert all(l.startswith("[5/5] 05-collectives: torchrun") for l in lines[4:])
+    assert not fresh.exists()
+
+
+def test_failing_chapter_stops_the_tour_and_says_where(tmp_path, monkeypatch, capsys):
+    """A failure names the chapter, its exit status, the command and its log, and later
+    chapters do not run."""
+    ok, bad = tmp_path / "ok.py", tmp_path / "bad.py"
+    ok.write_text("print('first chapter ran')\n")
+    bad.write_text("import sys\nprint('about to fail')\nsys.exit(3)\n")
+
+    def fake_plan(args):
+        return [tour.Step("01-single-gpu", "01-single-gpu", [sys.executable, str(ok)], "python ok.py"),
+                tour.Step("02-data-parallel", "02-data-parallel", [sys.executable, str(bad)], "python bad.py"),
+                tour.Step("03-ddp", "03-ddp", [sys.executable, str(ok)], "python ok.py")]
+
+    monkeypatch.setattr(tour, "build_plan", fake_plan)
+    out = tmp_path / "tour"
+    assert tour.main(["--chapters", "01,02,03", "--out", str(out), "--quiet"]) == 1
+    captured = capsys.readouterr()
+    assert "[1/3] 01-single-gpu: ok.py ... ok" in captured.out
+    assert "first chapter ran" not in captured.out          # quiet: the log has it
+    assert "first chapter ran" in (out / "01-single-gpu.log").read_text()
+    err = captured.err
+    assert "chapter 02-data-parallel failed with exit status 3" in err
+    assert "command: python bad.py" in err and "02-data-parallel.log" in err
+    assert "about to fail" in err                            # quiet shows the log's tail
+    assert "about to fail" in (out / "02-data-parallel.log").read_text()
+    assert not (out / "03-ddp.log").exists()
+
+
+def test_short_real_tour(tmp_path):
+    """The chapters run for real (tiny sizes), then the report: table, plots, logs."""
+    chapters = ["01", "05"]
+    out = tmp_path / "tour"
+    proc = run([sys.executable, "-m", "common.tour", "--chapters", ",".join(chapters),
+                "--preset", "tiny", "--steps", "6", "--seq-length", "64", "--batch-size", "4",
+                "--out", out], timeout=240)
+    stdout = proc.stdout
+    assert "[1/2] 01-single-gpu" in stdout and "[2/2] 05-collectives" in stdout
+    assert "$ python 01-single-gpu/train_llm.py" in stdout     # the command, as typed
+    assert "step 6/6" in stdout                               # chapter output streamed live
+    report_md = (out / "report.md").read_text()
+    rows = [l for l in report_md.splitlines() if l.startswith("| 01-single-gpu")]
+    assert len(rows) == 1 and "CPU" in rows[0]
+    for name in ("tokens_per_s.png", "step_time.png", "loss.png"):
+        data = (out / name).read_bytes()
+        assert data[:8] == PNG_SIGNATURE and len(data) > 1000
+    for log in ("01-single-gpu", "05-collectives-demo", "05-bench", "05-ddp-from-scratch"):
+        assert (out / f"{log}.log").stat().st_size > 0
+    assert "05 collective benchmark" in stdout and "all_reduce" in stdout
+    assert "05 data parallelism from collectives" in stdout
+    assert "tour finished in" in stdout
