@@ -186,13 +186,10 @@ def fsync_dir(path):
 
 
 def checkpoint_candidates(ckpt_dir: Path) -> list[Path]:
-    """Complete checkpoints, newest first: the one `latest` names, then every step-*
-    folder by step (half-written ones are still named .tmp-*, so never listed)."""
+    """Complete checkpoints, newest first. Half-written ones are still named .tmp-*, so
+    never listed; a step-* folder newer than `latest` (a kill between the rename and
+    the pointer update) is complete, so it comes first too."""
     found = sorted(ckpt_dir.glob("step-*"), reverse=True) if ckpt_dir.is_dir() else []
-    latest = ckpt_dir / "latest"
-    if latest.is_file():
-        named = ckpt_dir / latest.read_text().strip()
-        found = [named] + [p for p in found if p != named]
     return [p for p in found if p.is_dir()]
 
 
@@ -511,6 +508,11 @@ def main():
 
             if step == total_steps or (args.ckpt_freq and step % args.ckpt_freq == 0):
                 t0 = time.perf_counter()
+                # RNG states differ per rank: gather them so that one file holds them all
+                rngs = [rng_states(device)]
+                if distributed:
+                    rngs = [None] * world_size
+                    dist.all_gather_object(rngs, rng_states(device))
                 finished_epoch = in_epoch + 1 == steps_per_epoch
                 state = {"format_version": FORMAT_VERSION, "step": step,
                          # where the next step starts: epoch and steps done inside it
@@ -519,12 +521,7 @@ def main():
                          "sampler": {"seed": args.seed, "epoch": epoch},
                          "scheduler": scheduler.state_dict(), "world_size": world_size,
                          "global_batch": global_batch, "sharded": args.sharded,
-                         "args": {k: v for k, v in vars(args).items()}, "rng": None}
-                # RNG states differ per rank: gather them so one file holds them all
-                rngs = [None] * world_size if distributed else None
-                if distributed:
-                    dist.all_gather_object(rngs, rng_states(device))
-                state["rng"] = rngs if distributed else [rng_states(device)]
+                         "args": dict(vars(args)), "rng": rngs}
                 path = save_checkpoint(ckpt_dir, step, state, raw_model, optimizer,
                                        sharded=args.sharded, keep_last=args.keep_last,
                                        rank=rank, distributed=distributed)
