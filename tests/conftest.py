@@ -56,8 +56,8 @@ def python_cmd(script: str | Path, *args) -> list[str]:
 
 
 def torchrun_cmd(nproc: int, script: str | Path, *args, extra: list[str] | None = None) -> list[str]:
-    """torchrun on one machine, as the READMEs launch it (a free port, so tests that run
-    one after another never collide on the default 29500)."""
+    """torchrun on one machine, as the READMEs launch it. --standalone starts its own
+    rendezvous on a free port, so tests never collide on the default 29500."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc-per-node={nproc}", *(extra or []), str(REPO / script), *map(str, args)]
 

@@ -1,0 +1,320 @@
+"""Chapter 05, part 2: how fast are the collectives? A small nccl-tests.
+
+For each collective and each message size (powers of two from --min-bytes to
+--max-bytes) it times --iters back-to-back calls after --warmup untimed ones and reports
+
+    time    seconds per call (the slowest rank's average: a collective is finished
+            only when every rank is)
+    algbw   size / time: what the caller sees
+    busbw   algbw x a factor that depends on the collective and the world size n:
+            the bandwidth each link must carry with the best algorithm. It is the
+            number to hold against the hardware's link speed.
+
+The factors and the size convention are those of NVIDIA's nccl-tests, so the figures
+compare with theirs: all_reduce 2(n-1)/n; all_gather and reduce_scatter (n-1)/n with
+the size counted as the whole (gathered / reduced) array; broadcast and reduce 1.
+
+    torchrun --standalone --nproc-per-node=2 05-collectives/bench_collectives.py
+    torchrun --standalone --nproc-per-node=8 05-collectives/bench_collectives.py --max-bytes 4294967296 --dtype bf16   # GPUs
+
+Rank 0 prints a Markdown table and writes bench_collectives.json and
+bench_collectives.png to <save-dir>/<experiment-name>/.
+"""
+
+import argparse
+import os
+import re
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+# Runnable from the repo root or from inside this folder, installed or not.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common.cli import DEFAULT_SAVE_DIR, Parser, fail  # noqa: E402
+from common.metrics import device_name, environment_info, write_json  # noqa: E402
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+          "fp64": torch.float64}
+
+
+def bus_factor(op: str, world_size: int) -> float:
+    """busbw / algbw for `op` on `world_size` ranks (the nccl-tests factors).
+
+    all_reduce: a ring all-reduce is a reduce_scatter then an all_gather; each sends
+    (n-1)/n of the array over every link, so each link carries 2(n-1)/n x size.
+    all_gather, reduce_scatter: (n-1)/n x size (the size of the whole array).
+    broadcast, reduce: a pipelined chain passes the whole array once over each link: 1.
+    """
+    n = world_size
+    if n < 1:
+        raise ValueError(f"world size must be at least 1 (got {n})")
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter"):
+        return (n - 1) / n
+    if op in ("broadcast", "reduce"):
+        return 1.0
+    raise ValueError(f"unknown collective {op!r}")
+
+
+def parse_args(argv=None):
+    p = Parser(formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+               description="Time collectives over a sweep of message sizes; report time, "
+                           "algbw and busbw (nccl-tests conventions). Launch with torchrun.")
+    p.add_argument("--min-bytes", type=int, default=1024, help="smallest message (power of 2)")
+    p.add_argument("--max-bytes", type=int, default=64 * 2**20, help="largest message (power of 2)")
+    p.add_argument("--ops", default=",".join(OPS), help=f"comma list of: {', '.join(OPS)}")
+    p.add_argument("--iters", type=int, default=20, help="timed calls per size")
+    p.add_argument("--warmup", type=int, default=5, help="untimed calls per size, before timing")
+    p.add_argument("--dtype", default="fp32", help=f"one of: {', '.join(DTYPES)}")
+    p.add_argument("--timeout", type=float, default=600,
+                   help="seconds a collective may wait for the other ranks before failing")
+    p.add_argument("--save-dir", default=str(DEFAULT_SAVE_DIR), help="parent of the run folder")
+    p.add_argument("--experiment-name", default=None,
+                   help="run folder name (default: 05-bench-<timestamp>)")
+    args = p.parse_args(argv)
+
+    # Everything is checked before init_process_group: bad input stops at once, with
+    # one line, and leaves nothing on disk.
+    args.ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    unknown = [o for o in args.ops if o not in OPS]
+    if unknown or not args.ops:
+        fail(f"unknown --ops {','.join(unknown) or '(empty)'}; choose from {', '.join(OPS)}")
+    if args.dtype not in DTYPES:
+        fail(f"unknown --dtype {args.dtype!r}; choose one of {', '.join(DTYPES)}")
+    for name in ("min_bytes", "max_bytes"):
+        v = getattr(args, name)
+        if v < 1 or v & (v - 1):
+            fail(f"--{name.replace('_', '-')} must be a positive power of 2 (got {v})")
+    if args.max_bytes > 2**34:
+        fail(f"--max-bytes {args.max_bytes} is above 16 GiB; buffers of that size will not fit")
+    if args.min_bytes > args.max_bytes:
+        fail(f"--min-bytes {args.min_bytes} is larger than --max-bytes {args.max_bytes}")
+    if args.iters < 1:
+        fail(f"--iters must be at least 1 (got {args.iters})")
+    if args.warmup < 0:
+        fail(f"--warmup must not be negative (got {args.warmup})")
+    if not args.timeout > 0:
+        fail(f"--timeout must be positive (got {args.timeout})")
+    if args.experiment_name is None:
+        args.experiment_name = f"05-bench-{time.strftime('%Y%m%d-%H%M%S')}"
+    if not re.fullmatch(r"[A-Za-z0-9._-]+", args.experiment_name) or args.experiment_name in (".", ".."):
+        fail(f"--experiment-name {args.experiment_name!r} must use only letters, digits, '.', '_' and '-'")
+    save_dir = Path(args.save_dir)
+    if save_dir.exists() and not save_dir.is_dir():
+        fail(f"--save-dir {str(save_dir)!r} exists and is not a folder")
+    run_dir = save_dir / args.experiment_name
+    if run_dir.exists() and any(run_dir.iterdir()):
+        fail(f"run folder {str(run_dir)!r} already exists and is not empty; choose another "
+             f"--experiment-name or remove it")
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        fail("launch with torchrun, e.g. torchrun --standalone --nproc-per-node=2 "
+             "05-collectives/bench_collectives.py")
+    if int(os.environ["WORLD_SIZE"]) < 2:
+        fail("a collective benchmark needs at least 2 processes (--nproc-per-node=2 or more)")
+    return args
+
+
+def make_call(op, nbytes, dtype, world, device):
+    """Buffers for one message size and a function that runs the collective once.
+    Returns (call, bytes actually counted). Sizes follow nccl-tests: for all_gather and
+    reduce_scatter, nbytes is the whole array (each rank holds 1/n of it), rounded
+    down to a multiple of n elements."""
+    elem = torch.tensor([], dtype=dtype).element_size()
+    count = max(1, nbytes // elem)
+    # Zeros: sums stay finite (no inf, no slow denormals); the values do not matter here.
+    if op in ("all_gather", "reduce_scatter"):
+        count = max(world, count - count % world)
+        whole = torch.zeros(count, dtype=dtype, device=device)
+        part = torch.zeros(count // world, dtype=dtype, device=device)
+        # The single-tensor forms: one contiguous buffer, no list of n tensors to copy.
+        if op == "all_gather":
+            fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            call = lambda: fn(whole, part)  # noqa: E731
+        else:
+            fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+            call = lambda: fn(part, whole)  # noqa: E731
+    else:
+        buf = torch.zeros(count, dtype=dtype, device=device)
+        call = {"all_reduce": lambda: dist.all_reduce(buf),
+                "broadcast": lambda: dist.broadcast(buf, src=0),
+                "reduce": lambda: dist.reduce(buf, dst=0)}[op]
+    return call, count * elem
+
+
+def supported(op, dtype, world, device):
+    """Try the collective once on a tiny buffer. Every rank gets the same answer (a
+    backend that lacks an op refuses it on every rank), so every rank skips alike."""
+    try:
+        make_call(op, 64 * world, dtype, world, device)[0]()
+        return None
+    except (RuntimeError, ValueError, NotImplementedError) as e:
+        return str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+
+
+def time_call(call, iters, warmup, device):
+    """Seconds per call on this rank: warm-up, line up at a barrier, time `iters` calls."""
+    for _ in range(warmup):
+        call()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    dist.barrier()  # all ranks start the timed loop together
+    if device.type == "cuda":
+        # CUDA events time the GPU's work; the host would only time the launches.
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            call()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / iters
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        call()  # gloo calls return when this rank's part is done
+    return (time.perf_counter() - t0) / iters
+
+
+def fmt_bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:g} {unit}"
+    return f"{n} B"
+
+
+def fmt_gbps(x: float) -> str:
+    return f"{x:.3g}" if x < 1 else f"{x:,.2f}"
+
+
+def results_table(rows) -> str:
+    """One Markdown row per (op, size); numbers right-aligned."""
+    header = ("op", "size", "time (us)", "algbw (GB/s)", "busbw (GB/s)")
+    body = [(r["op"], fmt_bytes(r["bytes"]), f"{r['time_s'] * 1e6:,.1f}",
+             fmt_gbps(r["algbw_gbps"]), fmt_gbps(r["busbw_gbps"])) for r in rows]
+    widths = [max([len(h)] + [len(b[i]) for b in body]) for i, h in enumerate(header)]
+
+    def line(cells):
+        return "| " + " | ".join(c.rjust(w) if i >= 2 else c.ljust(w)
+                                 for i, (c, w) in enumerate(zip(cells, widths))) + " |"
+
+    rule = "| " + " | ".join("-" * w if i < 2 else "-" * (w - 1) + ":"
+                             for i, w in enumerate(widths)) + " |"
+    return "\n".join([line(header), rule] + [line(b) for b in body])
+
+
+def plot(rows, path, title):
+    import matplotlib
+    matplotlib.use("Agg")  # files only, no display needed
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for op in dict.fromkeys(r["op"] for r in rows):
+        pts = [r for r in rows if r["op"] == op and r["time_s"] is not None]
+        if not pts:
+            continue
+        x = [r["bytes"] for r in pts]
+        ax_t.plot(x, [r["time_s"] * 1e6 for r in pts], marker="o", ms=3, label=op)
+        ax_b.plot(x, [r["busbw_gbps"] for r in pts], marker="o", ms=3, label=op)
+    for ax, ylabel in ((ax_t, "time per call (us)"), (ax_b, "busbw (GB/s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("message size (bytes)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    ax_t.set_yscale("log")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main():
+    args = parse_args()
+
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)  # else every process would use GPU 0
+        backend, device = "nccl", torch.device("cuda", local_rank)
+    else:
+        backend, device = "gloo", torch.device("cpu")
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        dtype = DTYPES[args.dtype]
+        sizes = []
+        s = args.min_bytes
+        while s <= args.max_bytes:
+            sizes.append(s)
+            s *= 2
+        machine = device_name(device)
+        if rank == 0:
+            print(f"{world} ranks, backend {backend}, {machine}, dtype {args.dtype}, "
+                  f"{len(sizes)} sizes {fmt_bytes(sizes[0])} .. {fmt_bytes(sizes[-1])}, "
+                  f"{args.iters} timed calls after {args.warmup} warm-up", flush=True)
+
+        rows, notes = [], []
+        for op in args.ops:
+            why = supported(op, dtype, world, device)
+            if why:
+                # Skipped, not emulated: an emulation would time a different algorithm.
+                notes.append(f"{op}: skipped, {backend} cannot run it with {args.dtype} ({why})")
+                if rank == 0:
+                    print(f"note: {notes[-1]}", flush=True)
+                continue
+            factor = bus_factor(op, world)
+            for nbytes in sizes:
+                call, counted = make_call(op, nbytes, dtype, world, device)
+                t = time_call(call, args.iters, args.warmup, device)
+                # A collective is done when the slowest rank is done: report the max.
+                # (nccl-tests defaults to the mean over ranks; on large messages the two
+                # hardly differ.)
+                t_max = torch.tensor([t], dtype=torch.float64, device=device)
+                dist.all_reduce(t_max, op=dist.ReduceOp.MAX)
+                t = t_max.item()
+                algbw = counted / t / 1e9  # GB/s, 1 GB = 1e9 bytes as in nccl-tests
+                rows.append({"op": op, "bytes": counted, "requested_bytes": nbytes,
+                             "count": counted // dtype.itemsize, "dtype": args.dtype,
+                             "time_s": t, "algbw_gbps": algbw, "bus_factor": factor,
+                             "busbw_gbps": algbw * factor})
+                del call  # free this size's buffers before the next, larger one
+
+        if rank == 0:
+            print(f"\n{results_table(rows)}\n", flush=True)
+            for op in dict.fromkeys(r["op"] for r in rows):
+                big = max((r for r in rows if r["op"] == op), key=lambda r: r["bytes"])
+                print(f"{op:>15}: busbw {fmt_gbps(big['busbw_gbps'])} GB/s at {fmt_bytes(big['bytes'])} "
+                      f"(algbw {fmt_gbps(big['algbw_gbps'])} GB/s x factor {big['bus_factor']:.3g})")
+            run_dir = Path(args.save_dir) / args.experiment_name
+            run_dir.mkdir(parents=True, exist_ok=True)  # created only now, by rank 0 only
+            result = {
+                "experiment_name": args.experiment_name,
+                "world_size": world,
+                "backend": backend,
+                "device": device.type,
+                "device_name": machine,
+                "dtype": args.dtype,
+                "iters": args.iters,
+                "warmup": args.warmup,
+                "time_reduction": "max over ranks of the mean time per call",
+                "bus_factors": {op: bus_factor(op, world) for op in args.ops},
+                "notes": notes,
+                "rows": rows,
+                "environment": environment_info(),
+                "torch_version": torch.__version__,
+            }
+            write_json(run_dir / "bench_collectives.json", result)
+            if rows:
+                plot(rows, run_dir / "bench_collectives.png",
+                     f"{backend}, {world} ranks, {machine}, {args.dtype}")
+            print(f"\noutputs in {run_dir}", flush=True)
+        dist.barrier()  # nobody leaves while rank 0 still writes
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,228 @@
+"""Chapter 05: every collective is correct on 2 and 3 ranks (gloo), a skipped collective
+fails after the group's timeout instead of hanging, the benchmark's busbw follows the
+nccl-tests factors, and data parallelism rebuilt from broadcast + all_reduce ends with
+DDP's parameters (bit for bit on 2 ranks, to fp32 rounding on 3). Every script refuses
+bad flags with one line and exit 2."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import REPO, python_cmd, read_json, run, torchrun_cmd
+
+CH = "05-collectives"
+DEMO, BENCH, SCRATCH = f"{CH}/collectives_demo.py", f"{CH}/bench_collectives.py", f"{CH}/ddp_from_scratch.py"
+
+
+def load_script(path: str):
+    """Import a chapter script by path (its folder name has a dash, so no `import`)."""
+    name = "ch05_" + path.rsplit("/", 1)[-1].removesuffix(".py")
+    spec = importlib.util.spec_from_file_location(name, REPO / path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+demo = load_script(DEMO)
+bench = load_script(BENCH)
+scratch = load_script(SCRATCH)
+
+# The block titles rank 0 prints, one per collective (all_reduce shows three ops).
+TITLES = ["all_reduce (sum)", "all_reduce (max)", "all_reduce (avg)", "reduce (sum, dst=0)",
+          "broadcast (src=0)", "all_gather", "gather (dst=0)", "scatter (src=0)",
+          "reduce_scatter (sum)", "all_to_all", "barrier"]
+
+
+# ------------------------------------------------------------------- unit tests
+
+def test_bus_factors_are_the_nccl_tests_ones():
+    f = bench.bus_factor
+    assert f("all_reduce", 2) == 1.0
+    assert f("all_reduce", 8) == pytest.approx(1.75)
+    assert f("all_reduce", 3) == pytest.approx(4 / 3)
+    assert f("all_gather", 8) == pytest.approx(7 / 8)
+    assert f("reduce_scatter", 3) == pytest.approx(2 / 3)
+    assert f("broadcast", 8) == 1.0 and f("reduce", 3) == 1.0
+    assert f("all_reduce", 1) == 0.0  # one rank moves nothing
+    with pytest.raises(ValueError):
+        f("all_to_all_v", 2)
+
+
+def test_buckets_are_reversed_capped_and_cover_every_parameter():
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (100, 300, 50, 1000, 20)]
+    mib = 400 * 4 / 2**20  # room for 400 fp32 values
+    buckets = scratch.make_buckets(params, mib, torch.device("cpu"))
+    order = [p for b in buckets for p in b.params]
+    assert order == params[::-1]  # last layers first: their gradients are ready first
+    # filled greedily in reverse order, never past the cap, unless one tensor is larger
+    assert [b.buffer.numel() for b in buckets] == [20, 1000, 50 + 300, 100]
+    for b in buckets:  # each view is the parameter's slice of the flat buffer
+        for p, v in zip(b.params, b.views):
+            assert v.shape == p.shape and v.data_ptr() >= b.buffer.data_ptr()
+
+
+def test_max_relative_difference_is_per_tensor_norm():
+    a = [torch.tensor([3.0, -4.0]), torch.tensor([0.5])]
+    assert scratch.max_relative_difference(a, a) == 0.0
+    b = [torch.tensor([3.0, -4.0 + 2**-10]), torch.tensor([0.5])]  # exact in fp32
+    assert scratch.max_relative_difference(b, a) == pytest.approx(2**-10 / 5)  # ||a|| = 5
+    c = [torch.tensor([3.0, -4.0]), torch.tensor([0.25])]  # the small tensor counts alone
+    assert scratch.max_relative_difference(c, a) == pytest.approx(0.5)
+    assert scratch.max_abs_difference(b, a) == 2**-10
+
+
+# ------------------------------------------------------------ bad input: exit 2
+
+@pytest.mark.parametrize("script, argv, message", [
+    (DEMO, ["--op", "all_scatter"], "unknown --op 'all_scatter'"),
+    (DEMO, ["--timeout", "0"], "--timeout must be in"),
+    (DEMO, [], "launch with torchrun"),
+    (BENCH, ["--ops", "all_reduce,all_scatter"], "unknown --ops all_scatter"),
+    (BENCH, ["--max-bytes", "1000"], "--max-bytes must be a positive power of 2"),
+    (BENCH, ["--min-bytes", "4096", "--max-bytes", "1024"], "--min-bytes 4096 is larger"),
+    (BENCH, ["--dtype", "int8"], "unknown --dtype 'int8'"),
+    (SCRATCH, ["--modes", "naive,turbo"], "unknown --modes turbo"),
+    (SCRATCH, ["--model-preset", "huge"], "unknown --model-preset 'huge'"),
+    (SCRATCH, ["--steps", "1"], "--steps must be at least 2"),
+    (SCRATCH, ["--batch-size", "x"], "invalid int value: 'x'"),
+])
+def test_bad_flags_exit_2_with_one_line(tmp_path, script, argv, message):
+    save = tmp_path / "out"
+    extra = [] if script == DEMO else ["--save-dir", save]
+    proc = run(python_cmd(script, *argv, *extra), check=False, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
+    assert proc.stdout == ""
+    assert not save.exists()  # nothing created
+
+
+# ------------------------------------------------------------- the collectives
+
+@pytest.mark.parametrize("nproc, flags", [(2, []), (3, []), (3, ["--emulate"])],
+                         ids=["2-ranks", "3-ranks", "3-ranks-emulated"])
+def test_every_collective_is_correct(nproc, flags):
+    proc = run(torchrun_cmd(nproc, DEMO, *flags), timeout=180)
+    out = proc.stdout
+    for title in TITLES:
+        assert f"=== {title} ===" in out, title
+    # one line per rank per block, in rank order, all checked ok
+    for r in range(nproc):
+        assert len(re.findall(rf"^  rank {r}: .* ok$", out, re.M)) == len(TITLES)
+    assert "WRONG" not in out
+    assert f"all 9 collective(s) gave the expected result on all {nproc} ranks" in out
+    # a few values worked out by hand: sum and avg of [r+1, 10(r+1)], all_to_all's transpose
+    n = nproc
+    total = n * (n + 1) // 2
+    assert re.search(rf"rank {n - 1}: in \[{n}, {10 * n}\]\s+->  out \[{total}, {10 * total}\]", out)
+    if n == 3:
+        assert "rank 1: in [10, 11, 12]  ->  out [[1], [11], [21]]  ok" in out
+    if flags:  # the versions built from other collectives were the ones shown
+        assert out.count("built from") == 2 and "computed as SUM / world_size" in out
+
+
+def test_one_op_only():
+    proc = run(torchrun_cmd(2, DEMO, "--op", "reduce_scatter"), timeout=120)
+    assert "=== reduce_scatter (sum) ===" in proc.stdout
+    assert "=== all_reduce" not in proc.stdout
+    assert "all 1 collective(s) gave the expected result on all 2 ranks" in proc.stdout
+
+
+def test_a_skipped_collective_times_out_instead_of_hanging():
+    timeout = 3
+    t0 = time.perf_counter()
+    proc = run(torchrun_cmd(2, DEMO, "--timeout-demo", "--timeout", timeout), check=False, timeout=120)
+    elapsed = time.perf_counter() - t0
+    assert proc.returncode != 0
+    # start-up of torchrun and two Python processes on a loaded 2-core machine, plus the
+    # timeout itself: far from the 30 s the skipping rank would sleep on its own
+    assert elapsed < timeout + 25, elapsed
+    m = re.search(r"rank 0 waited ([\d.]+) s in all_reduce", proc.stdout)
+    assert m, proc.stdout + proc.stderr
+    assert timeout * 0.9 <= float(m.group(1)) < timeout + 10  # it really waited for the timeout
+    assert "Rank 1 never did" in proc.stdout
+
+
+# ------------------------------------------------------------------ the benchmark
+
+def test_benchmark_writes_busbw_with_the_right_factors(tmp_path):
+    proc = run(torchrun_cmd(3, BENCH, "--max-bytes", "65536", "--min-bytes", "4096", "--iters", "3",
+                            "--warmup", "1", "--save-dir", tmp_path, "--experiment-name", "b"),
+               timeout=180)
+    assert "| op" in proc.stdout and "busbw (GB/s)" in proc.stdout
+    run_dir = tmp_path / "b"
+    result = read_json(run_dir / "bench_collectives.json")
+    assert (run_dir / "bench_collectives.png").stat().st_size > 0
+    assert result["world_size"] == 3 and result["backend"] == "gloo"
+    assert result["device_name"].startswith("CPU") and "torch" in result["environment"]
+    rows = result["rows"]
+    sizes = [4096, 8192, 16384, 32768, 65536]
+    for op in bench.OPS:
+        op_rows = [r for r in rows if r["op"] == op]
+        assert [r["requested_bytes"] for r in op_rows] == sizes, op
+        for r in op_rows:
+            assert r["time_s"] > 0
+            assert r["algbw_gbps"] == pytest.approx(r["bytes"] / r["time_s"] / 1e9, rel=1e-9)
+            assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * bench.bus_factor(op, 3), rel=1e-9)
+            if op in ("all_gather", "reduce_scatter"):  # the whole array, n equal parts
+                assert r["count"] % 3 == 0 and r["bytes"] <= r["requested_bytes"]
+            else:
+                assert r["bytes"] == r["requested_bytes"]
+    assert result["bus_factors"]["all_reduce"] == pytest.approx(4 / 3)
+
+
+# ------------------------------------------------------- DDP rebuilt from collectives
+
+def test_ddp_from_scratch_equals_ddp_bit_for_bit_on_2_ranks(tmp_path):
+    proc = run(torchrun_cmd(2, SCRATCH, "--model-preset", "tiny", "--seq-length", "64",
+                            "--batch-size", "4", "--steps", "3", "--modes", "naive,bucketed,overlap,ddp",
+                            "--bucket-mb", "1", "--save-dir", tmp_path, "--experiment-name", "s"),
+               timeout=240)
+    assert "| naive" in proc.stdout and "tokens/s" in proc.stdout
+    assert "equal DDP's after 3 steps, bit for bit" in proc.stdout
+    result = read_json(tmp_path / "s" / "ddp_from_scratch.json")
+    assert result["passed"] and result["failures"] == []
+    assert result["world_size"] == 2 and result["backend"] == "gloo"
+    modes = result["modes"]
+    assert list(modes) == ["naive", "bucketed", "overlap", "ddp"]
+    for mode in ("naive", "bucketed", "overlap"):
+        m = modes[mode]
+        # two ranks: a + b == b + a, so every mode adds exactly the same numbers
+        assert m["max_rel_diff_vs_ddp"] == 0.0 and m["max_abs_diff_vs_ddp"] == 0.0, mode
+        # different seeds per rank: only the broadcast made the replicas equal
+        assert m["replicas_differ_before_broadcast"] > 0
+        assert m["replicas_differ_after_training"] == 0.0
+        assert m["losses"] == pytest.approx(modes["ddp"]["losses"], rel=1e-6)
+        assert m["tokens_per_s"] > 0 and m["measured_steps"] >= 1
+    assert modes["ddp"]["max_rel_diff_vs_ddp"] == 0.0
+    assert modes["ddp"]["tokens_per_s"] > 0
+    # 21 tensors, one call each; 1 MiB buckets over 4.4 MiB of gradients: a handful
+    assert modes["naive"]["allreduce_calls_per_step"] == 21
+    assert 2 <= modes["bucketed"]["allreduce_calls_per_step"] < 21
+    buckets = modes["bucketed"]["buckets_mib"]
+    assert len(buckets) == modes["bucketed"]["allreduce_calls_per_step"]
+    assert sum(buckets) == pytest.approx(result["num_params"] * 4 / 2**20, abs=0.05)
+    assert result["bucketed_vs_ddp"] == pytest.approx(
+        modes["bucketed"]["tokens_per_s"] / modes["ddp"]["tokens_per_s"])
+
+
+def test_ddp_from_scratch_matches_ddp_to_rounding_on_3_ranks(tmp_path):
+    # three ranks: the order of the additions differs between the modes, so they agree
+    # to fp32 rounding, far inside the tolerance, not bit for bit
+    proc = run(torchrun_cmd(3, SCRATCH, "--model-preset", "tiny", "--seq-length", "64",
+                            "--batch-size", "2", "--steps", "3", "--save-dir", tmp_path,
+                            "--experiment-name", "s3"), timeout=240)
+    assert "OK: every mode's parameters equal DDP's" in proc.stdout
+    result = read_json(tmp_path / "s3" / "ddp_from_scratch.json")
+    assert result["passed"] and result["world_size"] == 3
+    assert list(result["modes"]) == ["naive", "bucketed", "ddp"]  # the default --modes
+    for mode in ("naive", "bucketed"):
+        assert 0.0 <= result["modes"][mode]["max_rel_diff_vs_ddp"] <= 1e-6, mode
+        assert result["modes"][mode]["replicas_differ_after_training"] == 0.0
