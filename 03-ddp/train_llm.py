@@ -9,6 +9,7 @@ bucketed all-reduces during the backward pass, so every replica stays identical.
 """
 
 import atexit
+import gc
 import inspect
 import json
 import math
@@ -312,6 +313,10 @@ def main():
         print(f"\n{throughput_table(summary)}\n\noutputs in {run_dir}", flush=True)
     if distributed:
         dist.barrier()  # nobody leaves while rank 0 may still need the group
+        # Free DDP (its reducer holds the group) while the group is alive, then destroy
+        # the group. Left to interpreter exit, the two teardowns can deadlock in gloo.
+        del model
+        gc.collect()
         dist.destroy_process_group()
 
 

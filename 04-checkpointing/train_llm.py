@@ -11,6 +11,7 @@ position, and continues with exactly the losses an uninterrupted run would have.
 """
 
 import atexit
+import gc
 import inspect
 import itertools
 import json
@@ -427,6 +428,8 @@ def main():
     if start_step >= total_steps:
         log.info("this run already finished (step %d of %d); nothing to do", start_step, total_steps)
         if distributed:
+            del model  # as at the end of main(): free DDP before its process group
+            gc.collect()
             dist.destroy_process_group()
         return
 
@@ -582,6 +585,10 @@ def main():
         print(f"\n{throughput_table(summary)}\n\noutputs in {run_dir}", flush=True)
     if distributed:
         dist.barrier()  # nobody leaves while rank 0 may still need the group
+        # Free DDP (its reducer holds the group) while the group is alive, then destroy
+        # the group. Left to interpreter exit, the two teardowns can deadlock in gloo.
+        del model
+        gc.collect()
         dist.destroy_process_group()
 
 

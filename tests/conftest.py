@@ -3,6 +3,7 @@ the chapter scripts as a user would launch them (python or torchrun, as subproce
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import socket
@@ -68,3 +69,13 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
+
+
+def load_script(rel_path: str):
+    """A chapter script as a module (its folder name has a dash, so no plain import)."""
+    name = rel_path.replace("/", "_").replace("-", "_").removesuffix(".py")
+    spec = importlib.util.spec_from_file_location(name, REPO / rel_path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickling look modules up by name
+    spec.loader.exec_module(module)
+    return module

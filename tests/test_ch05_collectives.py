@@ -6,28 +6,16 @@ bad flags with one line and exit 2."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 import time
 
 import pytest
 import torch
 
-from conftest import REPO, python_cmd, read_json, run, torchrun_cmd
+from conftest import load_script, python_cmd, read_json, run, torchrun_cmd
 
 CH = "05-collectives"
 DEMO, BENCH, SCRATCH = f"{CH}/collectives_demo.py", f"{CH}/bench_collectives.py", f"{CH}/ddp_from_scratch.py"
-
-
-def load_script(path: str):
-    """Import a chapter script by path (its folder name has a dash, so no `import`)."""
-    name = "ch05_" + path.rsplit("/", 1)[-1].removesuffix(".py")
-    spec = importlib.util.spec_from_file_location(name, REPO / path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 demo = load_script(DEMO)

@@ -13,7 +13,7 @@ import pytest
 
 from common import report
 from common.metrics import StepStats, build_summary, write_json
-from conftest import REPO, run
+from conftest import run
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 H100 = "NVIDIA H100 80GB HBM3"

@@ -5,13 +5,12 @@ ends with the comparison report."""
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pytest
 
 from common import tour
 from common.cli import UsageError
-from conftest import REPO, run
+from conftest import run
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

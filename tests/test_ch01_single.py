@@ -1,0 +1,193 @@
+"""Chapter 01, the baseline: a tiny run learns and writes every documented output; the
+script runs however a reader launches it; its data order is DistributedSampler's; its
+schedule is warmup + cosine over --max-steps; bad input stops before any work."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.utils.data import DistributedSampler
+
+from common.metrics import throughput_table
+from common.model import LlamaForCausalLM, get_config
+from conftest import REPO, TINY, load_script, python_cmd, read_json, read_jsonl, run, torchrun_cmd
+
+SCRIPT = "01-single-gpu/train_llm.py"
+FOLDER = REPO / "01-single-gpu"
+STEPS = 40
+PEAK_LR, WARMUP = 1e-3, 2  # the --lr default and TINY's --warmup-steps
+RECORD_KEYS = {"step", "loss", "lr", "tokens_per_s", "data_s", "forward_s", "backward_s", "update_s"}
+SUMMARY_KEYS = {"chapter", "world_size", "device_name", "dtype", "preset", "num_params",
+                "tokens_per_s", "tokens_per_s_per_device", "step_time_s", "peak_memory_mb",
+                "mfu", "final_loss", "val_loss", "torch_version"}
+PHASE_KEYS = {"data", "forward", "backward", "update", "total"}
+
+
+def train_args(save_dir, name, steps, *extra):
+    return [*TINY, "--max-steps", steps, "--save-dir", save_dir, "--experiment-name", name, *extra]
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """One 40-step run of the tiny preset, from the repo root with plain python."""
+    save_dir = tmp_path_factory.mktemp("ch01")
+    proc = run(python_cmd(SCRIPT, *train_args(save_dir, "smoke", STEPS)))
+    run_dir = save_dir / "smoke"
+    return proc, run_dir, read_jsonl(run_dir / "metrics.jsonl"), read_json(run_dir / "summary.json")
+
+
+def test_loss_falls_over_the_run(smoke):
+    _, _, records, _ = smoke
+    losses = [r["loss"] for r in records]
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert all(math.isfinite(x) for x in losses)
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last < first - 0.5, f"mean loss of the first 5 steps {first:.3f}, of the last 5 {last:.3f}"
+
+
+def test_every_output_is_written_with_its_documented_fields(smoke):
+    _, run_dir, records, summary = smoke
+    assert {p.name for p in run_dir.iterdir()} == {"metrics.jsonl", "summary.json", "model.pt"}
+    for r in records:
+        assert RECORD_KEYS <= r.keys(), RECORD_KEYS - r.keys()
+        assert r["tokens_per_s"] > 0 and min(r[f"{p}_s"] for p in ("forward", "backward", "update")) > 0
+    assert SUMMARY_KEYS <= summary.keys(), SUMMARY_KEYS - summary.keys()
+    assert set(summary["step_time_s"]) == PHASE_KEYS
+    assert summary["step_time_s"]["total"] == pytest.approx(
+        sum(summary["step_time_s"][p] for p in PHASE_KEYS - {"total"}))
+    assert (summary["chapter"], summary["world_size"], summary["preset"], summary["dtype"]) == \
+        ("01-single-gpu", 1, "tiny", "fp32")
+    assert summary["torch_version"] == torch.__version__
+    assert summary["final_loss"] == records[-1]["loss"]
+    assert math.isfinite(summary["val_loss"])
+    assert summary["tokens_per_s"] > 0 and summary["tokens_per_s_per_device"] == summary["tokens_per_s"]
+    assert summary["peak_memory_mb"] > 0
+
+
+def test_model_pt_is_a_plain_state_dict_of_the_llama_model(smoke):
+    _, run_dir, _, summary = smoke
+    state = torch.load(run_dir / "model.pt", weights_only=True)
+    model = LlamaForCausalLM(get_config("tiny", summary["data"]["vocab_size"]))
+    model.load_state_dict(state, strict=True)
+    assert sum(p.numel() for p in model.parameters()) == summary["num_params"]
+
+
+def test_stdout_ends_with_the_throughput_table(smoke):
+    proc, run_dir, _, summary = smoke
+    assert proc.stdout.endswith(f"\n{throughput_table(summary)}\n\noutputs in {run_dir}\n")
+
+
+def test_lr_warms_up_then_decays_by_cosine_to_a_tenth_at_max_steps(smoke):
+    _, _, records, _ = smoke
+    # The logged lr is the one the next step will use: peak x lr_lambda(step).
+    lr_lambda = load_script(SCRIPT).lr_lambda
+    f = lr_lambda(WARMUP, STEPS)
+    assert [r["lr"] for r in records] == pytest.approx([PEAK_LR * f(r["step"]) for r in records])
+    assert records[-1]["lr"] == pytest.approx(0.1 * PEAK_LR)  # total steps = --max-steps
+
+    f = lr_lambda(10, 110)
+    assert [f(s) for s in range(10)] == pytest.approx([(s + 1) / 10 for s in range(10)])
+    decay = [f(s) for s in range(10, 111)]
+    assert decay[0] == 1.0 and all(a > b for a, b in zip(decay, decay[1:]))
+    assert f(60) == pytest.approx(0.55)            # halfway down the cosine
+    assert f(110) == pytest.approx(0.1) and f(500) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("n, seed", [(10, 0), (97, 1), (1000, 1234)])
+def test_data_order_is_distributed_samplers_with_one_replica(n, seed):
+    sampler = load_script(SCRIPT).EpochShuffleSampler(n, seed)
+    reference = DistributedSampler(range(n), num_replicas=1, rank=0, shuffle=True, seed=seed)
+    orders = []
+    for epoch in range(4):
+        sampler.set_epoch(epoch)
+        reference.set_epoch(epoch)
+        orders.append(list(sampler))
+        assert orders[-1] == list(reference)
+        assert sorted(orders[-1]) == list(range(n)) and len(sampler) == n
+    assert len({tuple(o) for o in orders}) == len(orders)  # a new order every epoch
+
+
+@pytest.mark.parametrize("launcher", ["python", "torchrun"])
+def test_runs_from_inside_the_chapter_folder(tmp_path, launcher):
+    """`python train_llm.py` and `torchrun --nproc-per-node=1 train_llm.py` in the
+    chapter's folder; the torchrun run also trains the padded form."""
+    if launcher == "python":
+        cmd, extra = [sys.executable, "train_llm.py"], []
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node=1", "train_llm.py"]
+        extra = ["--padded"]
+    run([*cmd, *train_args(tmp_path, "here", 3, *extra)], cwd=FOLDER)
+    summary = read_json(tmp_path / "here" / "summary.json")
+    assert summary["launcher"] == launcher and summary["world_size"] == 1
+    assert summary["data"]["form"] == ("padded" if extra else "packed")
+    assert math.isfinite(summary["final_loss"]) and math.isfinite(summary["val_loss"])
+    assert [r["step"] for r in read_jsonl(tmp_path / "here" / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_two_processes_are_refused(tmp_path):
+    save_dir = tmp_path / "out"
+    proc = run(torchrun_cmd(2, SCRIPT, *train_args(save_dir, "two", 3)), check=False)
+    assert proc.returncode != 0
+    # each worker exits with status 2 after one line (torchrun itself then reports failure)
+    assert "exitcode  : 2" in proc.stderr
+    assert "error: chapter 01 trains in one process" in proc.stderr
+    assert not save_dir.exists()
+
+
+REFUSALS = {  # case: (extra flags, environment, words the one line must hold)
+    "batch-size-0": (["--batch-size", "0"], {}, "--batch-size must be at least 1"),
+    "seq-longer-than-preset": (["--seq-length", "100000"], {}, "--seq-length 100000 exceeds"),
+    "negative-lr": (["--lr", "-1"], {}, "--lr must be positive"),
+    "negative-max-steps": (["--max-steps", "-1"], {}, "--max-steps must not be negative"),
+    "unknown-preset": (["--model-preset", "nope"], {}, "unknown --model-preset 'nope'"),
+    "missing-local-dataset": (["--dataset-name", "./missing/*.txt"], {}, "does not exist"),
+    # an endpoint that refuses at once: the reachability probe fails without waiting
+    "unreachable-hub": (["--dataset-name", "someone/some-dataset"],
+                        {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "0",
+                         "HF_DATASETS_OFFLINE": "0"}, "cannot reach the Hugging Face hub"),
+    "bf16-on-cpu": (["--dtype", "bf16"], {"CUDA_VISIBLE_DEVICES": ""}, "--dtype bf16 needs a CUDA device"),
+    "existing-run-folder": ([], {}, "already exists and is not empty"),
+}
+EXISTING = "an earlier run's notes\n"
+
+
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory):
+    """Every bad-input case launched at once (each fails within its start-up)."""
+    root = tmp_path_factory.mktemp("refusals")
+    procs = {}
+    for case, (flags, env, _) in REFUSALS.items():
+        save_dir = root / case
+        if case == "existing-run-folder":
+            (save_dir / "exp").mkdir(parents=True)
+            (save_dir / "exp" / "notes.txt").write_text(EXISTING)
+        procs[case] = (save_dir, subprocess.Popen(
+            python_cmd(SCRIPT, *train_args(save_dir, "exp", 5, *flags)), cwd=REPO,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = {}
+    for case, (save_dir, proc) in procs.items():
+        out, err = proc.communicate(timeout=300)
+        results[case] = (save_dir, proc.returncode, out, err)
+    return results
+
+
+@pytest.mark.parametrize("case", REFUSALS)
+def test_bad_input_exits_2_with_one_line_and_creates_nothing(refusals, case):
+    save_dir, status, _, stderr = refusals[case]
+    assert status == 2, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+    assert REFUSALS[case][2] in lines[0]
+    if case == "existing-run-folder":
+        assert [p.relative_to(save_dir).as_posix() for p in sorted(save_dir.rglob("*"))] == \
+            ["exp", "exp/notes.txt"]
+        assert (save_dir / "exp" / "notes.txt").read_text() == EXISTING
+    else:
+        assert not save_dir.exists()

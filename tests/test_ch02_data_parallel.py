@@ -1,0 +1,70 @@
+"""Chapter 02 on a machine without GPUs: DataParallel falls back to the plain module,
+says so in the log, the summary and the table, and then computes exactly what chapter
+01 computes; its weights load into a plain model; GPU-only flags are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.model import LlamaForCausalLM, get_config
+from conftest import TINY, python_cmd, read_json, read_jsonl, run
+
+SCRIPT = "02-data-parallel/train_llm.py"
+CH01 = "01-single-gpu/train_llm.py"
+STEPS = 10
+NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}  # the fallback is the lesson here, GPUs or not
+NOTE = "DataParallel needs two or more GPUs; found 0 CUDA devices: trained the plain module"
+RUNS = {"ch01": (CH01, []), "dp": (SCRIPT, []), "dp-loss-in-module": (SCRIPT, ["--loss-in-module"])}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Chapter 01 and chapter 02 (both loss placements) with the same flags."""
+    save_dir = tmp_path_factory.mktemp("ch02")
+    out = {}
+    for name, (script, extra) in RUNS.items():
+        proc = run(python_cmd(script, *TINY, "--max-steps", STEPS, "--save-dir", save_dir,
+                              "--experiment-name", name, *extra), env=NO_GPU)
+        out[name] = (proc, save_dir / name)
+    return out
+
+
+@pytest.mark.parametrize("name", ["dp", "dp-loss-in-module"])
+def test_without_gpus_it_trains_the_plain_module_and_says_so(runs, name):
+    proc, run_dir = runs[name]
+    summary = read_json(run_dir / "summary.json")
+    log, table = proc.stdout.split("| metric", 1)
+    assert f"WARNING {NOTE}" in log
+    assert summary["notes"] == [NOTE]
+    assert "| note " in table and NOTE in table
+    assert summary["data_parallel"] is False and summary["num_devices"] == 1
+    assert summary["loss_in_module"] is (name == "dp-loss-in-module")
+
+
+@pytest.mark.parametrize("name", ["dp", "dp-loss-in-module"])
+def test_same_losses_and_weights_as_chapter_01(runs, name):
+    ch01, dp = runs["ch01"][1], runs[name][1]
+    losses = [[r["loss"] for r in read_jsonl(d / "metrics.jsonl")] for d in (ch01, dp)]
+    assert len(losses[1]) == STEPS and losses[1] == losses[0]
+    ref = torch.load(ch01 / "model.pt", weights_only=True)
+    got = torch.load(dp / "model.pt", weights_only=True)
+    assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref)
+
+
+@pytest.mark.parametrize("name", ["dp", "dp-loss-in-module"])
+def test_saved_weights_load_into_a_plain_model(runs, name):
+    run_dir = runs[name][1]
+    state = torch.load(run_dir / "model.pt", weights_only=True)
+    assert not any(k.startswith(("module.", "model.")) for k in state)
+    vocab = read_json(run_dir / "summary.json")["data"]["vocab_size"]
+    LlamaForCausalLM(get_config("tiny", vocab)).load_state_dict(state, strict=True)
+
+
+def test_device_ids_without_gpus_are_refused(tmp_path):
+    proc = run(python_cmd(SCRIPT, *TINY, "--device-ids", "0,1", "--save-dir", tmp_path / "out"),
+               env=NO_GPU, check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == \
+        ["error: --device-ids names GPUs, but CUDA is not available here"]
+    assert not (tmp_path / "out").exists()

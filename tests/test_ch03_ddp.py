@@ -1,0 +1,170 @@
+"""Chapter 03, the proof: DDP with W processes of batch B trains exactly what chapter 01
+trains with batch W*B (same losses, same weights), with or without gradient
+accumulation, on one "node" or two; plain python is world size 1; only rank 0 writes
+and prints; scaling efficiency comes from a matching chapter 01 run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, TINY, free_port, python_cmd, read_json, read_jsonl, run, torchrun_cmd
+
+SCRIPT = "03-ddp/train_llm.py"
+CH01 = "01-single-gpu/train_llm.py"
+STEPS = 20
+RTOL = 1e-5  # per-step loss and gradient norm, fp32
+# Weights: one step on different data moves every tensor by about 1e-2 of its norm, so
+# these bounds are far below any real mismatch (rounding measures ~2e-6 and ~3e-5).
+WEIGHT_NORM_RTOL = 5e-5   # per tensor: |a - b| / |b| (Frobenius norms)
+WEIGHT_ATOL = 2e-4        # per element: a fifth of one Adam step at the peak lr 1e-3
+
+
+def train_args(save_dir, name, batch, *extra, steps=STEPS):
+    return [*TINY, "--batch-size", batch, "--max-steps", steps, "--save-dir", save_dir,
+            "--experiment-name", name, *extra]
+
+
+def assert_same_training(run_dir, ref_dir):
+    """Same per-step losses and gradient norms (the norm before clipping: it would show
+    gradients summed instead of averaged, which AdamW itself hides) and the same final
+    weights. Weights are compared per tensor and per element with an absolute bound:
+    Adam divides by the root of its second moment, so an element whose gradient nearly
+    cancels turns float rounding into a visible (still tiny) difference."""
+    got, ref = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(ref_dir / "metrics.jsonl")
+    assert [r["step"] for r in got] == [r["step"] for r in ref] == list(range(1, STEPS + 1))
+    for key in ("loss", "grad_norm"):
+        assert [r[key] for r in got] == pytest.approx([r[key] for r in ref], rel=RTOL, abs=0), key
+    a = torch.load(run_dir / "model.pt", weights_only=True)
+    b = torch.load(ref_dir / "model.pt", weights_only=True)
+    assert a.keys() == b.keys()
+    norm_rel = {k: ((a[k] - b[k]).norm() / b[k].norm()).item() for k in b}
+    assert max(norm_rel.values()) <= WEIGHT_NORM_RTOL, norm_rel
+    for k in b:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=WEIGHT_ATOL, msg=k)
+    loss_rel = max(abs(x["loss"] - y["loss"]) / y["loss"] for x, y in zip(got, ref))
+    max_abs = max((a[k] - b[k]).abs().max().item() for k in b)
+    print(f"\n{run_dir.name} vs {ref_dir.name}: loss rel diff {loss_rel:.1e}, weights: "
+          f"norm rel diff {max(norm_rel.values()):.1e}, max abs diff {max_abs:.1e}")
+
+
+@pytest.fixture(scope="module")
+def save_dir(tmp_path_factory):
+    """One folder for the chapter 01 references and the DDP runs that compare to them."""
+    return tmp_path_factory.mktemp("ch03")
+
+
+@pytest.fixture(scope="module")
+def ch01_b16(save_dir):
+    """The reference: chapter 01 with global batch 16."""
+    run(python_cmd(CH01, *train_args(save_dir, "ch01-b16", 16)))
+    return save_dir / "ch01-b16"
+
+
+@pytest.fixture(scope="module")
+def ch01_b8(save_dir):
+    """A short chapter 01 run with batch 8: the per-process batch of `ddp`."""
+    run(python_cmd(CH01, *train_args(save_dir, "ch01-b8", 8, steps=3)))
+    return save_dir / "ch01-b8"
+
+
+@pytest.fixture(scope="module")
+def ddp(save_dir, ch01_b8, ch01_b16):
+    """2 processes x batch 8, torchrun --standalone. --save-dir already holds chapter 01
+    runs with batch 8 and (newer) 16: the summary's scaling efficiency must pick the
+    one with the same per-process batch."""
+    proc = run(torchrun_cmd(2, SCRIPT, *train_args(save_dir, "ddp-2x8", 8)))
+    return proc, save_dir / "ddp-2x8"
+
+
+@pytest.fixture(scope="module")
+def accum(save_dir, ch01_b16):
+    """Plain python (world size 1), batch 8 x grad-accum 2, explicit --baseline."""
+    proc = run(python_cmd(SCRIPT, *train_args(save_dir, "accum-1x8x2", 8, "--grad-accum", 2,
+                                               "--baseline", ch01_b16 / "summary.json")))
+    return proc, save_dir / "accum-1x8x2"
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    """Two torchrun launchers (one process each, batch 4 x grad-accum 2) meeting through
+    a c10d rendezvous, as two machines would: global batch 2 x 4 x 2 = 16."""
+    save_dir = tmp_path_factory.mktemp("ch03-nodes")
+    port = free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=nodes-{port}",
+           str(REPO / SCRIPT), *map(str, train_args(save_dir, "nodes-2x4x2", 4, "--grad-accum", 2))]
+    logs_dir = tmp_path_factory.mktemp("ch03-nodes-logs")
+    logs = [logs_dir / f"node{i}.log" for i in range(2)]
+    with open(logs[0], "w") as out0, open(logs[1], "w") as out1:
+        nodes = [subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                  env={**os.environ, "PYTHONUNBUFFERED": "1"}) for out in (out0, out1)]
+        statuses = [node.wait(timeout=300) for node in nodes]
+    assert statuses == [0, 0], "\n".join(log.read_text()[-4000:] for log in logs)
+    return [log.read_text() for log in logs], save_dir
+
+
+def test_ddp_equals_single_process_with_the_global_batch(ddp, ch01_b16):
+    proc, run_dir = ddp
+    summary = read_json(run_dir / "summary.json")
+    assert (summary["world_size"], summary["backend"], summary["global_batch_size"]) == (2, "gloo", 16)
+    assert_same_training(run_dir, ch01_b16)
+
+
+def test_grad_accumulation_equals_the_larger_batch(accum, ch01_b16):
+    assert_same_training(accum[1], ch01_b16)
+
+
+def test_two_nodes_with_grad_accumulation_equal_the_global_batch(two_nodes, ch01_b16):
+    stdouts, save_dir = two_nodes
+    assert [p.name for p in save_dir.iterdir()] == ["nodes-2x4x2"]
+    assert len(list(save_dir.rglob("summary.json"))) == 1
+    summary = read_json(save_dir / "nodes-2x4x2" / "summary.json")
+    assert (summary["world_size"], summary["global_batch_size"]) == (2, 16)
+    assert sum(out.count("outputs in") for out in stdouts) == 1   # rank 0's node only
+    assert_same_training(save_dir / "nodes-2x4x2", ch01_b16)
+
+
+def test_plain_python_is_world_size_1(accum):
+    summary = read_json(accum[1] / "summary.json")
+    assert (summary["world_size"], summary["backend"], summary["launcher"]) == (1, None, "python")
+    assert (summary["global_batch_size"], summary["grad_accum"]) == (16, 2)
+
+
+def test_only_rank_0_writes_and_prints(ddp):
+    proc, run_dir = ddp
+    assert proc.stdout.count("| metric ") == 1 and proc.stdout.count("outputs in") == 1
+    assert "[rank 1]" not in proc.stdout + proc.stderr  # rank 1 logs only trouble
+    assert sorted(p.name for p in run_dir.iterdir()) == ["metrics.jsonl", "model.pt", "summary.json"]
+    steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")]
+    assert steps == list(range(1, STEPS + 1))  # one writer: every step once
+
+
+def test_scaling_efficiency_from_a_matching_chapter_01_run_in_save_dir(ddp, ch01_b8):
+    summary = read_json(ddp[1] / "summary.json")
+    baseline = read_json(ch01_b8 / "summary.json")
+    assert summary["baseline"] == "01-single-gpu run 'ch01-b8'"  # not the newer ch01-b16
+    assert summary["scaling_efficiency"] == pytest.approx(
+        summary["tokens_per_s_per_device"] / baseline["tokens_per_s"])
+    assert "scaling efficiency" in ddp[0].stdout
+
+
+def test_scaling_efficiency_against_an_explicit_baseline(accum, ch01_b16):
+    summary = read_json(accum[1] / "summary.json")
+    baseline = read_json(ch01_b16 / "summary.json")
+    assert summary["baseline"] == "01-single-gpu run 'ch01-b16'"
+    assert summary["scaling_efficiency"] == pytest.approx(
+        summary["tokens_per_s_per_device"] / baseline["tokens_per_s"])
+
+
+def test_missing_baseline_file_is_refused(tmp_path):
+    missing = tmp_path / "nope.json"
+    proc = run(python_cmd(SCRIPT, *train_args(tmp_path / "out", "x", 8, "--baseline", missing)),
+               check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"error: --baseline '{missing}' does not exist"]
+    assert not (tmp_path / "out").exists()

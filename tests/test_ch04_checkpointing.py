@@ -1,0 +1,241 @@
+"""Chapter 04: a run that crashes, is killed, or is restarted continues with exactly the
+losses and weights of an uninterrupted run (bit for bit on CPU), in both checkpoint
+formats; a corrupt checkpoint falls back to the one before; old checkpoints are pruned;
+loading never unpickles code; a resume with other settings is refused; --fresh archives;
+a finished run is left alone."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+from common.model import LlamaForCausalLM, get_config
+from conftest import REPO, TINY, load_script, python_cmd, read_json, read_jsonl, run, torchrun_cmd
+
+SCRIPT = "04-checkpointing/train_llm.py"
+NAME = "run"
+STEPS, FREQ, KEEP = 20, 4, 2
+CRASH = 10  # after the checkpoints of steps 4 and 8
+
+
+def flags(save_dir, *extra):
+    return [*TINY, "--max-steps", STEPS, "--ckpt-freq", FREQ, "--keep-last", KEEP,
+            "--save-dir", save_dir, "--experiment-name", NAME, *extra]
+
+
+def train(save_dir, *extra, restarts=0, check=True):
+    """The chapter's command: torchrun, 2 processes on the CPU (gloo). A run takes
+    seconds; the short timeout turns a hang into a failure soon."""
+    cmd = torchrun_cmd(2, SCRIPT, *flags(save_dir, *extra), extra=[f"--max-restarts={restarts}"])
+    return run(cmd, check=check, timeout=120)
+
+
+def kill_job(launcher_pid: int):
+    """SIGKILL a torchrun job, launcher and workers at once, as a lost machine would.
+    torchrun starts each worker in a session of its own, so the launcher's process group
+    alone would leave the workers running."""
+    workers = subprocess.run(["pgrep", "-P", str(launcher_pid)], capture_output=True,
+                             text=True).stdout.split()
+    for pgid in [launcher_pid, *map(int, workers)]:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def step_dir(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def copy_run(src_run_dir, save_dir):
+    """A private copy of a finished run (same experiment name, another --save-dir)."""
+    shutil.copytree(src_run_dir, save_dir / NAME)
+    return save_dir / NAME
+
+
+def snapshot(folder) -> dict:
+    return {p.relative_to(folder).as_posix(): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(folder.rglob("*"))}
+
+
+def assert_same_as_uninterrupted(run_dir, reference):
+    """Steps 1..STEPS each logged once, with exactly the uninterrupted run's losses, and
+    exactly its final weights."""
+    got, ref = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(reference / "metrics.jsonl")
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in got] == [r["loss"] for r in ref]
+    a = torch.load(run_dir / "model.pt", weights_only=True)
+    b = torch.load(reference / "model.pt", weights_only=True)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The reference every resumed run must match."""
+    save_dir = tmp_path_factory.mktemp("ch04-ref")
+    proc = train(save_dir)
+    return proc, save_dir / NAME
+
+
+def test_uninterrupted_run_keeps_the_last_k_checkpoints(uninterrupted):
+    _, run_dir = uninterrupted
+    ckpt = run_dir / "checkpoints"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", step_dir(16), step_dir(20)]
+    assert (ckpt / "latest").read_text() == step_dir(20)
+    assert not list(run_dir.rglob(".tmp-*")) and not list(run_dir.rglob("*.tmp"))
+    assert sorted(p.name for p in (ckpt / step_dir(20)).iterdir()) == ["state.pt"]
+
+
+def test_summary_reports_the_checkpoint_cost(uninterrupted):
+    proc, run_dir = uninterrupted
+    summary = read_json(run_dir / "summary.json")
+    ck = summary["checkpoint"]
+    assert ck["count"] == STEPS // FREQ and ck["sharded"] is False and ck["load_s"] is None
+    assert ck["size_mb"] == pytest.approx(
+        (run_dir / "checkpoints" / step_dir(20) / "state.pt").stat().st_size / 2**20)
+    assert ck["save_s"] > 0 and ck["save_mb_per_s"] == pytest.approx(ck["size_mb"] / ck["save_s"])
+    assert summary["resumed_from"] is None and "notes" not in summary
+    assert "| checkpoint size" in proc.stdout and "| checkpoint save" in proc.stdout
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["state-dict", "sharded-dcp"])
+def test_torchrun_restart_after_a_crash_continues_exactly(tmp_path, uninterrupted, sharded):
+    extra = ["--sharded"] if sharded else []
+    proc = train(tmp_path, *extra, "--crash-at-step", CRASH, restarts=3)
+    run_dir = tmp_path / NAME
+    assert f"injected crash after step {CRASH}" in proc.stdout + proc.stderr
+    assert (run_dir / f"crash-injected-at-step-{CRASH}").exists()
+    assert_same_as_uninterrupted(run_dir, uninterrupted[1])
+    summary = read_json(run_dir / "summary.json")
+    resumed = run_dir / "checkpoints" / step_dir(8)
+    assert summary["notes"] == [f"resumed from {resumed} at step 8"]
+    assert summary["restart_count"] == 1 and summary["checkpoint"]["sharded"] is sharded
+    assert (run_dir / "checkpoints" / step_dir(20) / "sharded").is_dir() is sharded
+
+
+def test_rerun_after_sigkill_of_the_whole_job_continues_exactly(tmp_path, uninterrupted):
+    """SIGKILL to every process of the job (no cleanup, no atexit) at whatever moment
+    the run has passed its first checkpoint; then the same command again."""
+    cmd = [str(c) for c in torchrun_cmd(2, SCRIPT, *flags(tmp_path))]
+    metrics = tmp_path / NAME / "metrics.jsonl"
+
+    def steps_logged():
+        return metrics.read_text().count("\n") if metrics.exists() else 0
+
+    with open(tmp_path / "killed.log", "w") as log:
+        job = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+        deadline = time.monotonic() + 240
+        while job.poll() is None and steps_logged() < FREQ + 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert job.poll() is None, "the job ended before it could be killed"
+        kill_job(job.pid)
+        job.wait()
+    killed_at = steps_logged()
+    assert FREQ < killed_at < STEPS, f"killed after step {killed_at}"
+    assert not (tmp_path / NAME / "summary.json").exists()
+
+    proc = run(cmd, timeout=120)
+    assert "resumed from" in proc.stdout
+    assert_same_as_uninterrupted(tmp_path / NAME, uninterrupted[1])
+
+
+@pytest.fixture(scope="module")
+def crashed(tmp_path_factory):
+    """--crash-at-step without torchrun restarts: the job fails, checkpoints 4 and 8 remain."""
+    save_dir = tmp_path_factory.mktemp("ch04-crashed")
+    proc = train(save_dir, "--crash-at-step", CRASH, check=False)
+    return proc, save_dir / NAME
+
+
+def test_crash_without_restarts_fails_and_keeps_its_checkpoints(crashed):
+    proc, run_dir = crashed
+    assert proc.returncode != 0
+    assert f"injected crash after step {CRASH}" in proc.stdout + proc.stderr
+    assert (run_dir / "checkpoints" / "latest").read_text() == step_dir(8)
+    assert CRASH <= len(read_jsonl(run_dir / "metrics.jsonl")) < STEPS
+    assert not (run_dir / "summary.json").exists()
+
+
+def test_rerun_falls_back_past_a_corrupt_latest_checkpoint(tmp_path, crashed, uninterrupted):
+    """The newest checkpoint is cut in half (a disk that filled up, say): the rerun
+    warns, resumes from the one before, and still ends exactly as the reference."""
+    run_dir = copy_run(crashed[1], tmp_path)
+    newest = run_dir / "checkpoints" / step_dir(8) / "state.pt"
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+    proc = train(tmp_path, "--crash-at-step", CRASH)  # the same command again
+    assert f"checkpoint {newest.parent} failed to load" in proc.stdout
+    assert f"resumed from {run_dir / 'checkpoints' / step_dir(4)}: step 4" in proc.stdout
+    assert_same_as_uninterrupted(run_dir, uninterrupted[1])
+
+
+def test_rerun_of_a_finished_run_changes_nothing(tmp_path, uninterrupted):
+    run_dir = copy_run(uninterrupted[1], tmp_path)
+    before, summary = snapshot(run_dir), (run_dir / "summary.json").read_bytes()
+    proc = train(tmp_path)
+    assert f"this run already finished (step {STEPS} of {STEPS}); nothing to do" in proc.stdout
+    assert snapshot(run_dir) == before and (run_dir / "summary.json").read_bytes() == summary
+
+
+def test_resume_with_a_different_flag_is_refused(tmp_path, uninterrupted):
+    """One process of batch 8 keeps the global batch of 2 x 4: only --lr differs."""
+    run_dir = copy_run(uninterrupted[1], tmp_path)
+    before = snapshot(run_dir)
+    proc = run(python_cmd(SCRIPT, *flags(tmp_path, "--batch-size", 8, "--lr", 2e-3)), check=False)
+    assert proc.returncode == 2
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith(f"error: checkpoint {run_dir / 'checkpoints' / step_dir(20)} belongs "
+                           f"to a run with different settings (--lr 0.001 -> 0.002)")
+    assert snapshot(run_dir) == before
+
+
+def test_fresh_archives_the_old_run_and_starts_at_step_1(tmp_path, uninterrupted):
+    run_dir = copy_run(uninterrupted[1], tmp_path)
+    old = {name: (run_dir / name).read_bytes() for name in ("metrics.jsonl", "summary.json")}
+    proc = train(tmp_path, "--fresh")
+    [archive] = run_dir.glob("archive-*")
+    assert f"moved the previous run's files into {archive}" in proc.stdout
+    assert sorted(p.name for p in archive.iterdir()) == \
+        ["checkpoints", "metrics.jsonl", "model.pt", "summary.json"]
+    assert {name: (archive / name).read_bytes() for name in old} == old
+    assert "resumed from" not in proc.stdout
+    assert_same_as_uninterrupted(run_dir, uninterrupted[1])
+
+
+class RunsCode:
+    """Unpickling this runs a shell command: what a malicious checkpoint would carry."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_loading_never_unpickles_code(tmp_path):
+    marker = tmp_path / "payload-ran"
+    evil = tmp_path / "evil"
+    evil.mkdir()
+    torch.save({"format_version": 1, "step": 1, "payload": RunsCode(marker)}, evil / "state.pt")
+
+    proc = run(python_cmd(SCRIPT, *flags(tmp_path / "out", "--resume-from", evil)), check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"error: --resume-from '{evil}' could not be "
+                                                f"loaded (see the warning above)"]
+    assert "UnpicklingError" in proc.stdout
+    assert not (tmp_path / "out").exists()
+
+    model = LlamaForCausalLM(get_config("tiny", 300))
+    optimizer = torch.optim.AdamW(model.parameters())
+    with pytest.raises(pickle.UnpicklingError):
+        load_script(SCRIPT).load_checkpoint(evil, model, optimizer, torch.device("cpu"))
+    assert not marker.exists()
+    torch.load(evil / "state.pt", weights_only=False)  # the payload is live: unsafe loading runs it
+    assert marker.exists()
