@@ -33,7 +33,7 @@ class UsageError(Exception):
 def fail(message: str, status: int = 2):
     """One line on stderr and exit status 2. Under torchrun every rank sees the same
     bad input; only rank 0 says so."""
-    if int(os.environ.get("RANK", "0")) == 0:
+    if int(os.environ.get("RANK") or 0) == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(status)
 
