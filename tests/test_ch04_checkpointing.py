@@ -196,6 +196,30 @@ def test_resume_with_a_different_flag_is_refused(tmp_path, uninterrupted):
     assert snapshot(run_dir) == before
 
 
+def test_resume_with_another_world_size_but_the_same_global_batch(tmp_path, crashed, uninterrupted):
+    """Saved by 2 processes x batch 4, resumed by 1 process x batch 8: global batch k is
+    the same samples either way, so the run continues where it stopped. One process
+    averages the gradient in one sum instead of two, so the match is to float rounding,
+    not to the bit."""
+    run_dir = copy_run(crashed[1], tmp_path)
+    proc = run(python_cmd(SCRIPT, *flags(tmp_path, "--batch-size", 8)))
+    assert "resuming a run saved by 2 processes with 1" in proc.stdout
+    assert f"resumed from {run_dir / 'checkpoints' / step_dir(8)}: step 8" in proc.stdout
+    got, ref = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(uninterrupted[1] / "metrics.jsonl")
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=1e-5, abs=0)
+
+
+def test_resume_with_another_global_batch_is_refused(tmp_path, crashed):
+    run_dir = copy_run(crashed[1], tmp_path)
+    before = snapshot(run_dir)
+    proc = run(python_cmd(SCRIPT, *flags(tmp_path)), check=False)  # 1 process x 4
+    assert proc.returncode == 2
+    [line] = proc.stderr.strip().splitlines()
+    assert "global batch (batch x world size x grad-accum): 8 -> 4" in line
+    assert snapshot(run_dir) == before
+
+
 def test_fresh_archives_the_old_run_and_starts_at_step_1(tmp_path, uninterrupted):
     run_dir = copy_run(uninterrupted[1], tmp_path)
     old = {name: (run_dir / name).read_bytes() for name in ("metrics.jsonl", "summary.json")}
