@@ -109,9 +109,11 @@ def main():
 
     # ---- device, dtype, seed -------------------------------------------------------
     if args.device == "auto":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     else:
         device = torch.device(args.device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda:0")  # a plain "cuda": the first visible GPU
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls on tensor cores

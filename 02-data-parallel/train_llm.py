@@ -148,9 +148,11 @@ def main():
 
     # ---- device, dtype, seed -------------------------------------------------------
     if args.device == "auto":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     else:
         device = torch.device(args.device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda:0")  # a plain "cuda": the first visible GPU
     if device.type == "cuda":
         # DataParallel's first device holds the master copy and gathers the outputs
         device_ids = args.device_ids or list(range(torch.cuda.device_count()))

@@ -55,6 +55,9 @@ def parse_args(argv=None):
         check_args(args)
     except UsageError as e:
         fail(str(e))
+    if args.device not in ("auto", "cpu", "cuda"):
+        fail(f"--device {args.device}: each process takes the GPU of its LOCAL_RANK; use "
+             f"auto, cuda or cpu (CUDA_VISIBLE_DEVICES chooses which GPUs)")
     if args.grad_accum < 1:
         fail(f"--grad-accum must be at least 1 (got {args.grad_accum})")
     if not args.timeout > 0:

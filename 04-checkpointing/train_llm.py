@@ -86,6 +86,9 @@ def parse_args(argv=None):
         fail("--fresh and --resume-from contradict each other; pick one")
     if args.resume_from and not (Path(args.resume_from) / "state.pt").is_file():
         fail(f"--resume-from {args.resume_from!r} is not a checkpoint folder (no state.pt)")
+    if args.device not in ("auto", "cpu", "cuda"):
+        fail(f"--device {args.device}: each process takes the GPU of its LOCAL_RANK; use "
+             f"auto, cuda or cpu (CUDA_VISIBLE_DEVICES chooses which GPUs)")
     if args.grad_accum < 1:
         fail(f"--grad-accum must be at least 1 (got {args.grad_accum})")
     if not args.timeout > 0:
