@@ -23,7 +23,6 @@ bench_collectives.png to <save-dir>/<experiment-name>/.
 
 import argparse
 import os
-import re
 import sys
 import time
 from datetime import timedelta
@@ -34,7 +33,7 @@ import torch.distributed as dist
 
 # Runnable from the repo root or from inside this folder, installed or not.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.cli import DEFAULT_SAVE_DIR, Parser, fail  # noqa: E402
+from common.cli import DEFAULT_SAVE_DIR, Parser, UsageError, check_run_folder, fail  # noqa: E402
 from common.metrics import device_name, environment_info, write_json  # noqa: E402
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
@@ -101,17 +100,10 @@ def parse_args(argv=None):
         fail(f"--warmup must not be negative (got {args.warmup})")
     if not args.timeout > 0:
         fail(f"--timeout must be positive (got {args.timeout})")
-    if args.experiment_name is None:
-        args.experiment_name = f"05-bench-{time.strftime('%Y%m%d-%H%M%S')}"
-    if not re.fullmatch(r"[A-Za-z0-9._-]+", args.experiment_name) or args.experiment_name in (".", ".."):
-        fail(f"--experiment-name {args.experiment_name!r} must use only letters, digits, '.', '_' and '-'")
-    save_dir = Path(args.save_dir)
-    if save_dir.exists() and not save_dir.is_dir():
-        fail(f"--save-dir {str(save_dir)!r} exists and is not a folder")
-    run_dir = save_dir / args.experiment_name
-    if run_dir.exists() and any(run_dir.iterdir()):
-        fail(f"run folder {str(run_dir)!r} already exists and is not empty; choose another "
-             f"--experiment-name or remove it")
+    try:
+        check_run_folder(args, "05-bench")
+    except UsageError as e:
+        fail(str(e))
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         fail("launch with torchrun, e.g. torchrun --standalone --nproc-per-node=2 "
              "05-collectives/bench_collectives.py")

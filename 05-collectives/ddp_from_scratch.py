@@ -26,7 +26,6 @@ rank 0 prints tokens/s side by side.
 import argparse
 import inspect
 import os
-import re
 import statistics
 import sys
 import time
@@ -41,7 +40,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 # Runnable from the repo root or from inside this folder, installed or not.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.cli import DEFAULT_SAVE_DIR, Parser, fail  # noqa: E402
+from common.cli import DEFAULT_SAVE_DIR, Parser, UsageError, check_run_folder, fail  # noqa: E402
 from common.data import (IGNORE_INDEX, DataError, build_datasets, check_dataset_name,  # noqa: E402
                          check_enough_samples)
 from common.metrics import device_name, environment_info, write_json  # noqa: E402
@@ -110,17 +109,10 @@ def parse_args(argv=None):
         check_dataset_name(args.dataset_name)
     except DataError as e:
         fail(str(e))
-    if args.experiment_name is None:
-        args.experiment_name = f"05-ddp-from-scratch-{time.strftime('%Y%m%d-%H%M%S')}"
-    if not re.fullmatch(r"[A-Za-z0-9._-]+", args.experiment_name) or args.experiment_name in (".", ".."):
-        fail(f"--experiment-name {args.experiment_name!r} must use only letters, digits, '.', '_' and '-'")
-    save_dir = Path(args.save_dir)
-    if save_dir.exists() and not save_dir.is_dir():
-        fail(f"--save-dir {str(save_dir)!r} exists and is not a folder")
-    run_dir = save_dir / args.experiment_name
-    if run_dir.exists() and any(run_dir.iterdir()):
-        fail(f"run folder {str(run_dir)!r} already exists and is not empty; choose another "
-             f"--experiment-name or remove it")
+    try:
+        check_run_folder(args, "05-ddp-from-scratch")
+    except UsageError as e:
+        fail(str(e))
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         fail("launch with torchrun, e.g. torchrun --standalone --nproc-per-node=2 "
              "05-collectives/ddp_from_scratch.py")

@@ -89,11 +89,7 @@ def base_parser(chapter: str, description: str) -> argparse.ArgumentParser:
 
 def check_args(args, *, run_dir_must_be_new: bool = True) -> None:
     """Everything that can be checked before any work. Raises UsageError."""
-    if args.experiment_name is None:
-        args.experiment_name = f"{args.chapter}-{time.strftime('%Y%m%d-%H%M%S')}"
-    if not re.fullmatch(r"[A-Za-z0-9._-]+", args.experiment_name) or args.experiment_name in (".", ".."):
-        raise UsageError(f"--experiment-name {args.experiment_name!r} must use only letters, "
-                         f"digits, '.', '_' and '-'")
+    check_run_folder(args, args.chapter, must_be_new=run_dir_must_be_new)
     if args.model_preset not in PRESETS:
         raise UsageError(f"unknown --model-preset {args.model_preset!r}; choose one of "
                          f"{', '.join(PRESETS)}")
@@ -120,11 +116,22 @@ def check_args(args, *, run_dir_must_be_new: bool = True) -> None:
     except DataError as e:
         raise UsageError(str(e)) from None
     check_device(args.device, args.dtype)
+
+
+def check_run_folder(args, name_prefix: str, *, must_be_new: bool = True) -> None:
+    """--experiment-name (default `<name_prefix>-<timestamp>`) and --save-dir: a safe
+    folder name, a save dir that is a folder, and (unless resuming) no earlier results
+    in <save-dir>/<experiment-name> to overwrite. Raises UsageError."""
+    if args.experiment_name is None:
+        args.experiment_name = f"{name_prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if not re.fullmatch(r"[A-Za-z0-9._-]+", args.experiment_name) or args.experiment_name in (".", ".."):
+        raise UsageError(f"--experiment-name {args.experiment_name!r} must use only letters, "
+                         f"digits, '.', '_' and '-'")
     save_dir = Path(args.save_dir)
     if save_dir.exists() and not save_dir.is_dir():
         raise UsageError(f"--save-dir {str(save_dir)!r} exists and is not a folder")
     run_dir = save_dir / args.experiment_name
-    if run_dir_must_be_new and run_dir.exists() and any(run_dir.iterdir()):
+    if must_be_new and run_dir.exists() and any(run_dir.iterdir()):
         raise UsageError(f"run folder {str(run_dir)!r} already exists and is not empty; "
                          f"choose another --experiment-name or remove it")
 

@@ -306,13 +306,17 @@ def split_documents(tokenized, val_fraction: float = 0.05, split_seed: int = 0):
 
 # ------------------------------------------------------------------ dataset forms
 
-def _flat_ids(tokenized) -> list[np.ndarray]:
+def _documents(tokenized) -> tuple[np.ndarray, np.ndarray]:
+    """(every document's ids end to end, each document's length), read straight from
+    the Arrow column: no Python list per document."""
+    import pyarrow.compute as pc
+
     if tokenized._indices is not None:  # a selection not yet materialised
         with quiet_datasets():
             tokenized = tokenized.flatten_indices()
     col = tokenized.data.column("ids")
-    # flatten(), not .values: a sliced chunk's .values is its whole parent array
-    return [np.asarray(chunk.flatten()) for chunk in col.chunks] if col.num_chunks else []
+    flat = pc.list_flatten(col).to_numpy().astype(np.int32, copy=False)
+    return flat, pc.list_value_length(col).to_numpy().astype(np.int64, copy=False)
 
 
 class PackedDataset(torch.utils.data.Dataset):
@@ -323,18 +327,10 @@ class PackedDataset(torch.utils.data.Dataset):
 
     def __init__(self, tokenized, seq_len: int, eot_id: int):
         self.seq_len = seq_len
-        lengths = np.asarray([len(x) for x in tokenized["ids"]], dtype=np.int64) \
-            if len(tokenized) else np.zeros(0, dtype=np.int64)
-        flat = np.concatenate(_flat_ids(tokenized)) if len(tokenized) else np.zeros(0, np.int32)
-        # insert EOT after every document
-        stream = np.empty(len(flat) + len(lengths), dtype=np.int32)
-        ends = np.cumsum(lengths + 1) - 1
-        is_eot = np.zeros(len(stream), dtype=bool)
-        is_eot[ends] = True
-        stream[is_eot] = eot_id
-        stream[~is_eot] = flat
-        self.tokens = torch.from_numpy(stream)
-        self.num_tokens = len(stream)
+        flat, lengths = _documents(tokenized)
+        # an [EOT] after every document: inserted at each document's end offset
+        self.tokens = torch.from_numpy(np.insert(flat, np.cumsum(lengths), eot_id))
+        self.num_tokens = len(self.tokens)
 
     def __len__(self):
         return max(0, (self.num_tokens - 1) // self.seq_len)
