@@ -34,7 +34,7 @@ import torch.distributed as dist
 # Runnable from the repo root or from inside this folder, installed or not.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.cli import DEFAULT_SAVE_DIR, Parser, UsageError, check_run_folder, fail  # noqa: E402
-from common.metrics import device_name, environment_info, write_json  # noqa: E402
+from common.metrics import device_name, environment_info, markdown_table, write_json  # noqa: E402
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
@@ -187,15 +187,7 @@ def results_table(rows) -> str:
     header = ("op", "size", "time (us)", "algbw (GB/s)", "busbw (GB/s)")
     body = [(r["op"], fmt_bytes(r["bytes"]), f"{r['time_s'] * 1e6:,.1f}",
              fmt_gbps(r["algbw_gbps"]), fmt_gbps(r["busbw_gbps"])) for r in rows]
-    widths = [max([len(h)] + [len(b[i]) for b in body]) for i, h in enumerate(header)]
-
-    def line(cells):
-        return "| " + " | ".join(c.rjust(w) if i >= 2 else c.ljust(w)
-                                 for i, (c, w) in enumerate(zip(cells, widths))) + " |"
-
-    rule = "| " + " | ".join("-" * w if i < 2 else "-" * (w - 1) + ":"
-                             for i, w in enumerate(widths)) + " |"
-    return "\n".join([line(header), rule] + [line(b) for b in body])
+    return markdown_table(header, body, right={2, 3, 4})
 
 
 def plot(rows, path, title):

@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.cli import DEFAULT_SAVE_DIR, Parser, UsageError, check_run_folder, fail  # noqa: E402
 from common.data import (IGNORE_INDEX, DataError, build_datasets, check_dataset_name,  # noqa: E402
                          check_enough_samples)
-from common.metrics import device_name, environment_info, write_json  # noqa: E402
+from common.metrics import device_name, environment_info, markdown_table, write_json  # noqa: E402
 from common.model import PRESETS, LlamaForCausalLM, get_config, num_parameters  # noqa: E402
 
 MODES = ("naive", "bucketed", "overlap", "ddp")
@@ -551,13 +551,7 @@ def results_table(results) -> str:
             else "(in backward)",
             str(r["allreduce_calls_per_step"] or "(DDP's)"),
             f"{r['max_rel_diff_vs_ddp']:.2e}" if r["max_rel_diff_vs_ddp"] is not None else "n/a"))
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-
-    def line(cells):
-        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
-
-    return "\n".join([line(header), "| " + " | ".join("-" * w for w in widths) + " |"]
-                     + [line(r) for r in rows])
+    return markdown_table(header, rows, right=range(1, len(header)))
 
 
 if __name__ == "__main__":

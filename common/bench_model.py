@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .data import DEFAULT_VOCAB_SIZE
-from .metrics import device_name
+from .metrics import device_name, markdown_table
 from .model import PRESETS, LlamaForCausalLM, flops_per_token, get_config, mfu, num_parameters
 
 
@@ -70,12 +70,7 @@ def table(rows: list[dict]) -> str:
     body = [[r["preset"], f"{r['params'] / 1e6:.2f} M", f"{r['batch']}×{r['seq']}",
              f"{r['step_s'] * 1e3:,.1f} ms", f"{r['tokens_per_s']:,.0f}", f"{r['tflops']:.3f}",
              "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"] for r in rows]
-    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(header)]
-
-    def line(cells):
-        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
-
-    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, body)])
+    return markdown_table(header, body, right=range(1, len(header)))
 
 
 def main(argv=None):

@@ -256,17 +256,23 @@ def throughput_rows(s: dict) -> list[tuple[str, str]]:
     return rows
 
 
-def markdown_table(rows: list[tuple[str, str]], header=("metric", "value")) -> str:
-    width0 = max(len(header[0]), *(len(r[0]) for r in rows))
-    width1 = max(len(header[1]), *(len(r[1]) for r in rows))
-    lines = [f"| {header[0]:<{width0}} | {header[1]:<{width1}} |",
-             f"| {'-' * width0} | {'-' * width1} |"]
-    lines += [f"| {a:<{width0}} | {b:<{width1}} |" for a, b in rows]
-    return "\n".join(lines)
+def markdown_table(header, rows, right=()) -> str:
+    """A Markdown table padded for reading in a terminal. Columns whose index is in
+    `right` (numbers) are right-aligned, with Markdown's `:` marker; the rest left."""
+    rows = [[str(c) for c in row] for row in rows]
+    widths = [max([len(h)] + [len(row[i]) for row in rows]) for i, h in enumerate(header)]
+
+    def line(cells):
+        return "| " + " | ".join(c.rjust(w) if i in right else c.ljust(w)
+                                 for i, (c, w) in enumerate(zip(cells, widths))) + " |"
+
+    rule = "| " + " | ".join("-" * (w - 1) + ":" if i in right else "-" * w
+                             for i, w in enumerate(widths)) + " |"
+    return "\n".join([line(header), rule, *map(line, rows)])
 
 
 def throughput_table(summary: dict) -> str:
-    return markdown_table(throughput_rows(summary))
+    return markdown_table(("metric", "value"), throughput_rows(summary))
 
 
 def find_baseline(path: str | os.PathLike, summary: dict) -> dict | None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .cli import DEFAULT_SAVE_DIR, Parser
-from .metrics import PHASES
+from .metrics import PHASES, markdown_table
 
 # Keys without which a summary cannot be placed in the table.
 REQUIRED_KEYS = ("chapter", "experiment_name", "launcher", "world_size", "num_devices",
@@ -140,18 +140,9 @@ def comparison_table(runs: list[Run]) -> str:
     """A Markdown table, one row per run, columns aligned for reading in a terminal."""
     rows = table_rows(runs)
     cols = list(rows[0])
-    widths = {c: max(len(c), *(len(r[c]) for r in rows)) for c in cols}
-    # text columns left, numbers right (Markdown alignment markers, too)
-    left = {"chapter", "run", "launcher", "device", "dtype", "preset", "peak memory"}
-
-    def cell(c, v):
-        return f"{v:<{widths[c]}}" if c in left else f"{v:>{widths[c]}}"
-
-    lines = ["| " + " | ".join(cell(c, c) for c in cols) + " |",
-             "| " + " | ".join("-" * widths[c] if c in left else "-" * (widths[c] - 1) + ":"
-                               for c in cols) + " |"]
-    lines += ["| " + " | ".join(cell(c, r[c]) for c in cols) + " |" for r in rows]
-    return "\n".join(lines)
+    left = {"chapter", "run", "launcher", "device", "dtype", "preset", "peak memory"}  # text
+    return markdown_table(cols, [[r[c] for c in cols] for r in rows],
+                          right={i for i, c in enumerate(cols) if c not in left})
 
 
 def device_warning(runs: list[Run]) -> str | None:

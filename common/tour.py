@@ -25,6 +25,7 @@ from pathlib import Path
 
 from . import report
 from .cli import DEFAULT_SAVE_DIR, REPO_ROOT, Parser, UsageError
+from .metrics import markdown_table
 from .model import PRESETS
 
 CHAPTERS = ("01-single-gpu", "02-data-parallel", "03-ddp", "04-checkpointing", "05-collectives")
@@ -300,14 +301,9 @@ def bench_table(obj) -> str | None:
     body.append([f"time/call at {_bytes(sizes[-1])}"] +
                 [f"{cell[op, sizes[-1]]['time_s'] * 1e6:,.0f} us" if (op, sizes[-1]) in cell else "-"
                  for op in ops])
-    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(header)]
-    lines = ["| " + " | ".join(f"{h:<{w}}" for h, w in zip(header, widths)) + " |",
-             "| " + " | ".join("-" * w if i == 0 else "-" * (w - 1) + ":" for i, w in enumerate(widths)) + " |"]
-    lines += ["| " + " | ".join(f"{c:<{w}}" if i == 0 else f"{c:>{w}}"
-                                for i, (c, w) in enumerate(zip(b, widths))) + " |" for b in body]
     head = (f"{obj.get('world_size')} ranks, {obj.get('backend')}, {obj.get('device_name')}, "
             f"{obj.get('dtype')}, {obj.get('iters')} timed calls per size; busbw in GB/s")
-    return head + "\n\n" + "\n".join(lines) + "".join(f"\nnote: {n}" for n in obj.get("notes") or [])
+    return head + "\n\n" + markdown_table(header, body, right=range(1, len(header))) + "".join(f"\nnote: {n}" for n in obj.get("notes") or [])
 
 
 def scratch_table(obj) -> str | None:
@@ -327,18 +323,11 @@ def scratch_table(obj) -> str | None:
                      f"{rel:.2e}" if rel is not None else "n/a"))
     header = ("mode", "tokens/s", "vs DDP", "step ms", "exposed all-reduce ms",
               "all_reduce calls/step", "max rel diff vs DDP")
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    # mode left, numbers right
-    lines = ["| " + " | ".join(f"{c:<{w}}" for c, w in zip(header, widths)) + " |",
-             "| " + " | ".join("-" * w if i == 0 else "-" * (w - 1) + ":"
-                               for i, w in enumerate(widths)) + " |"]
-    lines += ["| " + " | ".join(f"{c:<{w}}" if i == 0 else f"{c:>{w}}"
-                                for i, (c, w) in enumerate(zip(row, widths))) + " |" for row in rows]
     verdict = ("every mode matches DDP" if obj.get("passed")
                else "MISMATCH: " + "; ".join(obj.get("failures") or []))
     head = (f"{obj.get('world_size')} ranks, {obj.get('backend')}, {obj.get('device_name')}, "
             f"preset {obj.get('preset')}, {obj.get('steps')} steps per mode: {verdict}")
-    return head + "\n\n" + "\n".join(lines)
+    return head + "\n\n" + markdown_table(header, rows, right=range(1, len(header)))
 
 
 def _gbps(x: float) -> str:
