@@ -8,63 +8,36 @@ metrics, validation, a text sample, and the saved weights.
     python 01-single-gpu/train_llm.py --model-preset base --seq-length 1024   # a GPU
 """
 
+import itertools
 import json
 import math
-import os
 import random
 import sys
-import time
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Sampler
-from tqdm import tqdm
+from torch.utils.data import DataLoader, DistributedSampler
 
 # Runnable from the repo root or from inside this folder, installed or not.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.cli import UsageError, base_parser, check_args, fail, setup_logging  # noqa: E402
-from common.data import IGNORE_INDEX, DataError, build_datasets, check_enough_samples, dataset_info  # noqa: E402
+from common.cli import base_parser, positive_int, setup_logging  # noqa: E402
+from common.data import IGNORE_INDEX, build_datasets, check_enough_samples, dataset_info, prepare  # noqa: E402
 from common.masks import build_attention_mask  # noqa: E402
-from common.metrics import (MetricsWriter, PhaseTimer, StepStats, build_summary,  # noqa: E402
-                            environment_info, throughput_table, write_json)
+from common.metrics import environment_info  # noqa: E402
 from common.model import LlamaForCausalLM, describe, flops_per_token, get_config, num_parameters  # noqa: E402
+from common.tracker import Tracker  # noqa: E402
 
 CHAPTER = "01-single-gpu"
 
 
 def parse_args(argv=None):
+    # every flag is checked as it is parsed: bad input stops here, before any work
     parser = base_parser(CHAPTER, "Chapter 01: train a Llama model on one device.")
-    args = parser.parse_args(argv)
-    try:
-        check_args(args)
-    except UsageError as e:
-        fail(str(e))
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        fail("chapter 01 trains in one process; launch it with --nproc-per-node=1 "
-             "(several processes are chapter 03)")
-    return args
-
-
-class EpochShuffleSampler(Sampler):
-    """A fresh shuffle every epoch: exactly the order DistributedSampler(num_replicas=1,
-    shuffle=True, seed=seed) gives after set_epoch(epoch). Chapter 03's ranks then split
-    this same order, so a DDP run sees the same global batches as this script."""
-
-    def __init__(self, num_samples: int, seed: int):
-        self.num_samples, self.seed, self.epoch = num_samples, seed, 0
-
-    def set_epoch(self, epoch: int):
-        self.epoch = epoch
-
-    def __iter__(self):
-        g = torch.Generator()
-        g.manual_seed(self.seed + self.epoch)
-        return iter(torch.randperm(self.num_samples, generator=g).tolist())
-
-    def __len__(self):
-        return self.num_samples
+    parser.add_argument("--grad-accum", type=positive_int, default=1,
+                        help="micro-batches per optimizer step (a larger batch in less memory)")
+    return parser.parse_args(argv)
 
 
 def lr_lambda(warmup_steps: int, total_steps: int, min_ratio: float = 0.1):
@@ -85,19 +58,19 @@ def compute_loss(model, x, y, attn_mask):
 
 @torch.no_grad()
 def evaluate(model, loader, device, autocast, max_batches, pad_id, padded):
+    """The mean loss per target token over at most max_batches batches, and how many
+    batches that was (a small validation set may hold fewer)."""
     model.eval()
-    total, count = 0.0, 0
-    for i, (x, y) in enumerate(loader):
-        if i == max_batches:
-            break
+    total, count, batches = 0.0, 0, 0
+    for x, y in itertools.islice(loader, max_batches):
         x, y = x.to(device), y.to(device)
         mask = build_attention_mask(x, pad_id) if padded else None
         with autocast:
             loss = compute_loss(model, x, y, mask)
         n = int((y != IGNORE_INDEX).sum())
-        total, count = total + loss.item() * n, count + n
+        total, count, batches = total + loss.item() * n, count + n, batches + 1
     model.train()
-    return total / count if count else None
+    return (total / count if count else None), batches
 
 
 def main():
@@ -126,16 +99,19 @@ def main():
     log.info("device %s, dtype %s, seed %d", device, dtype, args.seed)
 
     # ---- data ----------------------------------------------------------------------
-    try:
+    def load_data():
         data = build_datasets(args.dataset_name, args.seq_length, packed=not args.padded,
                               vocab_size=args.vocab_size, tokenizer_path=args.tokenizer,
                               subset=args.dataset_subset, text_column=args.text_column,
                               cache_dir=args.cache_dir)
-        check_enough_samples(data.train, args.batch_size)
-    except DataError as e:
-        fail(str(e))
+        check_enough_samples(data.train, args.batch_size * args.grad_accum)
+        return data
+    data = prepare(load_data)  # trains the tokenizer and tokenizes once (cached)
     log.info("data: %s", json.dumps(dataset_info(data)))
-    sampler = EpochShuffleSampler(len(data.train), args.seed)
+    # A fresh shuffle every epoch (seed + epoch). DistributedSampler with one replica is
+    # just that shuffle; chapter 03's ranks split the very same order.
+    sampler = DistributedSampler(data.train, num_replicas=1, rank=0,
+                                 shuffle=True, seed=args.seed, drop_last=True)
     loader = DataLoader(data.train, batch_size=args.batch_size, sampler=sampler,
                         drop_last=True,  # every step sees a full batch
                         num_workers=args.num_workers, pin_memory=device.type == "cuda")
@@ -157,25 +133,26 @@ def main():
         [{"params": decay, "weight_decay": args.weight_decay},
          {"params": no_decay, "weight_decay": 0.0}],
         lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
-    steps_per_epoch = len(loader)
+    steps_per_epoch = len(loader) // args.grad_accum
     total_steps = args.num_epochs * steps_per_epoch
     if args.max_steps:
         total_steps = min(total_steps, args.max_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup_steps, total_steps))
-    tokens_per_step = args.batch_size * args.seq_length  # processed, padding included
-    log.info("training %d steps (%d per epoch), batch %d x %d tokens", total_steps,
-             steps_per_epoch, args.batch_size, args.seq_length)
+    global_batch = args.batch_size * args.grad_accum
+    tokens_per_step = global_batch * args.seq_length  # processed, padding included
+    log.info("training %d steps (%d per epoch); batch %d = %d x grad-accum %d, %d tokens per "
+             "step", total_steps, steps_per_epoch, global_batch, args.batch_size,
+             args.grad_accum, tokens_per_step)
 
     # ---- outputs (created only now: bad input above leaves nothing behind) ---------
     run_dir = Path(args.save_dir) / args.experiment_name
     run_dir.mkdir(parents=True, exist_ok=True)
-    metrics = MetricsWriter(run_dir / "metrics.jsonl")
+    # timing, progress bar, metrics.jsonl, summary.json and the final table
+    tracker = Tracker(CHAPTER, run_dir, device, total_steps, tokens_per_step, log)
 
     # ---- the training loop ---------------------------------------------------------
-    timer, stats = PhaseTimer(device), StepStats()
-    step, loss, t_start = 0, None, time.perf_counter()
-    window_tokens, window_time = 0, 0.0
-    bar = tqdm(total=total_steps, desc=CHAPTER, disable=None, dynamic_ncols=True)
+    step = 0
+    loss_sum = torch.zeros((), device=device)
     model.train()
     for epoch in range(args.num_epochs):
         sampler.set_epoch(epoch)  # a new order every epoch, the same in every run
@@ -183,47 +160,40 @@ def main():
         for _ in range(steps_per_epoch):
             if step == total_steps:
                 break
-            timer.reset()
-            with timer.phase("data"):
-                x, y = next(batches)
-                x = x.to(device, non_blocking=True)
-                y = y.to(device, non_blocking=True)
-                attn_mask = build_attention_mask(x, data.pad_id) if args.padded else None
-            with timer.phase("forward"):
-                with autocast:
-                    loss = compute_loss(model, x, y, attn_mask)
-            with timer.phase("backward"):
-                loss.backward()
-            with timer.phase("update"):
+            tracker.start_step()
+            loss_sum.zero_()
+            # Gradient accumulation: backward adds into .grad, so grad-accum micro-batches,
+            # each loss divided by their number, give the gradient of one larger batch.
+            for micro in range(args.grad_accum):
+                with tracker.phase("data"):
+                    x, y = next(batches)
+                    x = x.to(device, non_blocking=True)
+                    y = y.to(device, non_blocking=True)
+                    attn_mask = build_attention_mask(x, data.pad_id) if args.padded else None
+                with tracker.phase("forward"):
+                    with autocast:
+                        loss = compute_loss(model, x, y, attn_mask) / args.grad_accum
+                with tracker.phase("backward"):
+                    loss.backward()
+                loss_sum += loss.detach()  # stays on the device: no host sync per step
+            with tracker.phase("update"):
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 scheduler.step()
             step += 1
-            stats.add(timer.times, tokens_per_step)
-            window_tokens += tokens_per_step
-            window_time += sum(timer.times.values())
-            bar.update()
-
+            tracker.end_step()
             if step % args.log_freq == 0 or step == total_steps:
                 # .item() waits for the device: only on logging steps
-                record = {"step": step, "epoch": epoch, "loss": loss.item(),
-                          "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm.item(),
-                          "tokens_per_s": window_tokens / window_time,
-                          **{f"{k}_s": v for k, v in timer.times.items()},
-                          "elapsed_s": time.perf_counter() - t_start}
-                metrics.write(record)
-                bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
-                log.info("step %d/%d | loss %.4f | lr %.2e | %.0f tokens/s", step, total_steps,
-                         record["loss"], record["lr"], record["tokens_per_s"])
-                window_tokens, window_time = 0, 0.0
-    bar.close()
-    metrics.close()
+                tracker.log(step, epoch=epoch, loss=loss_sum.item(), lr=scheduler.get_last_lr()[0],
+                            grad_norm=grad_norm.item())
+    tracker.close()
 
     # ---- validation, sample, weights, summary --------------------------------------
-    val_loss = evaluate(model, val_loader, device, autocast, args.val_batches, data.pad_id, args.padded)
+    val_loss, val_batches = evaluate(model, val_loader, device, autocast, args.val_batches,
+                                     data.pad_id, args.padded)
     log.info("validation loss %s over %d batches",
-             f"{val_loss:.4f}" if val_loss is not None else "n/a", args.val_batches)
+             f"{val_loss:.4f}" if val_loss is not None else "n/a", val_batches)
     prompt = ([data.bot_id] if args.padded else []) + data.tokenizer.encode("def ").ids
     model.eval()
     with autocast:
@@ -233,15 +203,11 @@ def main():
     log.info("sample:\n%s", data.tokenizer.decode(out[0].tolist()))
 
     torch.save(model.state_dict(), run_dir / "model.pt")
-    summary = build_summary(
-        chapter=CHAPTER, args=args, world_size=1, device=device, dtype=dtype,
-        num_params=n_params, flops_per_token=flops_per_token(config, n_params, args.seq_length),
-        stats=stats, tokens_per_step=tokens_per_step,
-        final_loss=loss.item() if loss is not None else None, val_loss=val_loss,
-        wall_time_s=time.perf_counter() - t_start,
-        extra={"global_batch_size": args.batch_size, "data": dataset_info(data)})
-    write_json(run_dir / "summary.json", summary)
-    print(f"\n{throughput_table(summary)}\n\noutputs in {run_dir}", flush=True)
+    tracker.finish(args=args, world_size=1, dtype=dtype, num_params=n_params,
+                   flops_per_token=flops_per_token(config, n_params, args.seq_length),
+                   final_loss=loss_sum.item(), val_loss=val_loss,
+                   extra={"global_batch_size": global_batch, "grad_accum": args.grad_accum,
+                          "data": dataset_info(data)})
 
 
 if __name__ == "__main__":

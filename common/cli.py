@@ -1,14 +1,16 @@
 """The command line every chapter shares (DESIGN.md, "Shared command line").
 
-A chapter script builds its parser with `base_parser`, adds the flags of its own lesson,
-and calls `check_args` before doing any work: bad input stops with one line on stderr
-and exit status 2, and nothing is created on disk.
+A chapter builds its parser with `base_parser` (the chapter 05 scripts with
+`script_parser`), adds the flags of its own lesson with a validating `type=`, and calls
+`parse_args`: every check runs inside it, so bad input stops with one line on stderr and
+exit status 2, before any work, and nothing is created on disk.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import re
 import sys
@@ -31,22 +33,102 @@ class UsageError(Exception):
 
 
 def fail(message: str, status: int = 2):
-    """One line on stderr and exit status 2. Under torchrun every rank sees the same
-    bad input; only rank 0 says so."""
-    if int(os.environ.get("RANK") or 0) == 0:
-        print(f"error: {message}", file=sys.stderr, flush=True)
+    """One line on stderr and exit status 2. Under torchrun every rank usually sees the
+    same bad input: rank 0 says it at once. The other ranks wait a moment before they
+    speak and exit: torchrun stops a job as soon as one worker exits, so a rank that
+    left first could end rank 0 before it printed. If rank 0 did not fail (a rank's
+    own error), they speak for themselves after the wait."""
+    rank = int(os.environ.get("RANK") or 0)
+    if rank != 0:
+        time.sleep(3.0)
+    print(f"error: {'' if rank == 0 else f'[rank {rank}] '}{message}", file=sys.stderr, flush=True)
     sys.exit(status)
 
 
+# ---- validators for `type=`: argparse reports their message as "argument --x: ..." ----
+
+def _number(cast, ok, requirement):
+    def parse(text: str):
+        try:
+            value = cast(text)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"must be {requirement} (got {text!r})") from None
+        if (isinstance(value, float) and not math.isfinite(value)) or not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {requirement} (got {text!r})")
+        return value
+    parse.__name__ = requirement
+    return parse
+
+
+positive_int = _number(int, lambda v: v >= 1, "a whole number >= 1")
+non_negative_int = _number(int, lambda v: v >= 0, "a whole number >= 0")
+positive_float = _number(float, lambda v: v > 0, "a finite number > 0")
+non_negative_float = _number(float, lambda v: v >= 0, "a finite number >= 0")
+seconds = _number(float, lambda v: 0 < v <= 7 * 86400, "a number of seconds in (0, 604800]")
+seed_value = _number(int, lambda v: 0 <= v < 2**63, "a whole number in [0, 2**63)")
+
+
+def existing_file(text: str) -> str:
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"{text!r} does not exist or is not a file")
+    return text
+
+
+def one_of(*choices):
+    """Like choices=, but the message lists the choices on one line."""
+    def parse(text: str):
+        if text not in choices:
+            raise argparse.ArgumentTypeError(f"unknown {text!r}; choose one of: {', '.join(choices)}")
+        return text
+    parse.__name__ = "choice"
+    return parse
+
+
+def comma_list(*choices):
+    """A comma-separated list of distinct choices, e.g. --modes naive,ddp."""
+    def parse(text: str):
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        unknown = [t for t in items if t not in choices]
+        if unknown or not items:
+            raise argparse.ArgumentTypeError(f"unknown {','.join(unknown) or '(empty)'}; "
+                                             f"choose from: {', '.join(choices)}")
+        if len(set(items)) != len(items):
+            raise argparse.ArgumentTypeError(f"lists an item twice: {text}")
+        return items
+    parse.__name__ = "list"
+    return parse
+
+
+# ---- the parser ------------------------------------------------------------------------
+
 class Parser(argparse.ArgumentParser):
-    """argparse, but a bad flag gives one line (not the usage block) and exit 2."""
+    """argparse, but a bad flag gives one line (not the usage block) and exit 2, and the
+    checks that need several flags at once (`self.checks`) run inside parse_args."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+        self.checks = []
 
     def error(self, message):
         fail(f"{message} (see --help)")
 
+    def parse_args(self, args=None, namespace=None):
+        parsed = super().parse_args(args, namespace)
+        try:
+            for check in self.checks:
+                check(parsed)
+        except UsageError as e:
+            fail(str(e))
+        return parsed
 
-def base_parser(chapter: str, description: str) -> argparse.ArgumentParser:
-    p = Parser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+def base_parser(chapter: str, description: str, *, distributed: bool = False,
+                resumes: bool = False) -> Parser:
+    """The chapters' shared flags. `distributed`: launched by torchrun, one process per
+    device (adds --timeout and --baseline). `resumes`: the run folder may hold an earlier
+    run of the same job (chapter 04)."""
+    p = Parser(description=description)
     p.set_defaults(chapter=chapter)
     p.add_argument("--experiment-name", default=None,
                    help="run id and output folder name (default: <chapter>-<timestamp>)")
@@ -58,7 +140,8 @@ def base_parser(chapter: str, description: str) -> argparse.ArgumentParser:
     g.add_argument("--text-column", default="text", help="column holding the text")
     g.add_argument("--tokenizer", default=None,
                    help="existing tokenizers JSON file (default: train one on the corpus, cached)")
-    g.add_argument("--vocab-size", type=int, default=8192, help="vocabulary of a newly trained tokenizer")
+    g.add_argument("--vocab-size", type=positive_int, default=8192,
+                   help="vocabulary of a newly trained tokenizer")
     g.add_argument("--padded", action="store_true",
                    help="one document per sample, padded, with attention masks "
                         "(default: packed sequences, no masks)")
@@ -66,43 +149,46 @@ def base_parser(chapter: str, description: str) -> argparse.ArgumentParser:
                    help="tokenizer and tokenized-corpus cache (default: $LLM_GUIDE_CACHE "
                         "or ~/.cache/llm-guide)")
     g = p.add_argument_group("model and training")
-    g.add_argument("--model-preset", default="small", help=f"one of: {', '.join(PRESETS)}")
-    g.add_argument("--seq-length", type=int, default=256, help="tokens per sample")
-    g.add_argument("--batch-size", type=int, default=8, help="samples per step, per process")
-    g.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
-    g.add_argument("--weight-decay", type=float, default=0.1)
-    g.add_argument("--warmup-steps", type=int, default=10)
-    g.add_argument("--num-epochs", type=int, default=1)
-    g.add_argument("--max-steps", type=int, default=100,
+    g.add_argument("--model-preset", default="small", type=one_of(*PRESETS),
+                   help=f"model size: {', '.join(PRESETS)}")
+    g.add_argument("--seq-length", type=positive_int, default=256, help="tokens per sample")
+    g.add_argument("--batch-size", type=positive_int, default=8, help="samples per step, per process")
+    g.add_argument("--lr", type=positive_float, default=1e-3, help="peak learning rate")
+    g.add_argument("--weight-decay", type=non_negative_float, default=0.1,
+                   help="AdamW weight decay of the matrices (norm weights get none)")
+    g.add_argument("--warmup-steps", type=non_negative_int, default=10,
+                   help="steps of linear learning-rate warmup before the cosine decay")
+    g.add_argument("--num-epochs", type=positive_int, default=1,
+                   help="passes over the training set (unless --max-steps stops sooner)")
+    g.add_argument("--max-steps", type=non_negative_int, default=100,
                    help="stop after this many optimizer steps; 0 = run all epochs")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=seed_value, default=0,
+                   help="seed of the initial weights and of the data order")
     g = p.add_argument_group("run")
-    g.add_argument("--log-freq", type=int, default=10, help="log every N steps")
-    g.add_argument("--val-batches", type=int, default=20, help="batches in the final validation")
+    g.add_argument("--log-freq", type=positive_int, default=10, help="log every N steps")
+    g.add_argument("--val-batches", type=non_negative_int, default=20,
+                   help="batches in the final validation (at most)")
     g.add_argument("--save-dir", default=str(DEFAULT_SAVE_DIR), help="parent of the run folder")
-    g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    g.add_argument("--dtype", default="auto", choices=DTYPES,
-                   help="auto = bf16 autocast on CUDA, fp32 on CPU")
-    g.add_argument("--num-workers", type=int, default=1, help="DataLoader worker processes")
+    g.add_argument("--device", default="auto",
+                   help="auto, cpu, cuda" + ("" if distributed else ", cuda:N"))
+    g.add_argument("--dtype", default="auto", type=one_of(*DTYPES),
+                   help="auto = bf16 autocast on CUDA, fp32 on CPU; bf16 = bf16 autocast")
+    g.add_argument("--num-workers", type=non_negative_int, default=1,
+                   help="DataLoader worker processes")
+    if distributed:
+        g.add_argument("--timeout", type=seconds, default=600,
+                       help="seconds a collective may wait for the other ranks before failing")
+        g.add_argument("--baseline", type=existing_file, default=None,
+                       help="chapter 01 summary.json for the scaling efficiency (default: the "
+                            "latest matching one under --save-dir)")
+    p.checks.append(lambda args: check_args(args, run_dir_must_be_new=not resumes))
+    p.checks.append(check_launch_many if distributed else check_launch_one)
     return p
 
 
 def check_args(args, *, run_dir_must_be_new: bool = True) -> None:
-    """Everything that can be checked before any work. Raises UsageError."""
+    """The checks that involve several flags, files or the machine. Raises UsageError."""
     check_run_folder(args, args.chapter, must_be_new=run_dir_must_be_new)
-    if args.model_preset not in PRESETS:
-        raise UsageError(f"unknown --model-preset {args.model_preset!r}; choose one of "
-                         f"{', '.join(PRESETS)}")
-    for name in ("batch_size", "seq_length", "num_epochs", "log_freq", "vocab_size"):
-        if getattr(args, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(args, name)})")
-    for name in ("max_steps", "warmup_steps", "val_batches", "num_workers"):
-        if getattr(args, name) < 0:
-            raise UsageError(f"--{name.replace('_', '-')} must not be negative (got {getattr(args, name)})")
-    if not args.lr > 0:
-        raise UsageError(f"--lr must be positive (got {args.lr})")
-    if args.weight_decay < 0:
-        raise UsageError(f"--weight-decay must not be negative (got {args.weight_decay})")
     max_pos = PRESETS[args.model_preset]["max_position_embeddings"]
     if args.seq_length > max_pos:
         raise UsageError(f"--seq-length {args.seq_length} exceeds the {args.model_preset!r} "
@@ -115,7 +201,19 @@ def check_args(args, *, run_dir_must_be_new: bool = True) -> None:
             load_tokenizer(args.tokenizer)
     except DataError as e:
         raise UsageError(str(e)) from None
-    check_device(args.device, args.dtype)
+    check_device(args.device)
+
+
+def check_launch_one(args) -> None:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UsageError(f"{args.chapter} trains in one process; launch it with "
+                         f"--nproc-per-node=1 (several processes are chapter 03)")
+
+
+def check_launch_many(args) -> None:
+    if args.device not in ("auto", "cpu", "cuda"):
+        raise UsageError(f"--device {args.device}: each process takes the GPU of its LOCAL_RANK; "
+                         f"use auto, cuda or cpu (CUDA_VISIBLE_DEVICES chooses which GPUs)")
 
 
 def check_run_folder(args, name_prefix: str, *, must_be_new: bool = True) -> None:
@@ -136,22 +234,46 @@ def check_run_folder(args, name_prefix: str, *, must_be_new: bool = True) -> Non
                          f"choose another --experiment-name or remove it")
 
 
-def check_device(device: str, dtype: str) -> None:
-    if device != "auto":
-        try:
-            d = torch.device(device)
-        except RuntimeError:
-            raise UsageError(f"--device {device!r} is not a device (auto, cpu, cuda, cuda:N)") from None
-        if d.type == "cuda":
-            if not torch.cuda.is_available():
-                raise UsageError(f"--device {device} asked for, but CUDA is not available here")
-            if d.index is not None and d.index >= torch.cuda.device_count():
-                raise UsageError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s)")
-        elif d.type not in ("cpu", "mps"):
-            raise UsageError(f"--device {device!r} is not supported (auto, cpu, cuda, cuda:N)")
-    on_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
-    if dtype == "bf16" and not on_cuda:
-        raise UsageError(f"--dtype {dtype} needs a CUDA device; use fp32 (or auto) on CPU")
+def check_device(device: str) -> None:
+    if device == "auto":
+        return
+    try:
+        d = torch.device(device)
+    except RuntimeError:
+        raise UsageError(f"--device {device!r} is not a device (auto, cpu, cuda, cuda:N)") from None
+    if d.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {device} asked for, but CUDA is not available here")
+        if d.index is not None and d.index >= torch.cuda.device_count():
+            raise UsageError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s)")
+    elif d.type != "cpu":
+        raise UsageError(f"--device {device!r} is not supported (auto, cpu, cuda, cuda:N)")
+
+
+def script_parser(name: str, description: str, *, min_world: int = 2,
+                  run_folder: bool = True) -> Parser:
+    """The flags and checks the chapter 05 scripts share: torchrun with at least
+    `min_world` processes, --timeout, and (if `run_folder`) --save-dir and
+    --experiment-name (default `<name>-<timestamp>`)."""
+    p = Parser(description=description)
+    p.add_argument("--timeout", type=seconds, default=600,
+                   help="seconds a collective may wait for the other ranks before failing")
+    if run_folder:
+        p.add_argument("--save-dir", default=str(DEFAULT_SAVE_DIR), help="parent of the run folder")
+        p.add_argument("--experiment-name", default=None,
+                       help=f"run folder name (default: {name}-<timestamp>)")
+        p.checks.append(lambda args: check_run_folder(args, name))
+
+    def check_torchrun(args):
+        script = f"05-collectives/{sys.argv[0].rsplit('/', 1)[-1]}"
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            raise UsageError(f"launch with torchrun, e.g. torchrun --standalone "
+                             f"--nproc-per-node={min_world} {script}")
+        if int(os.environ["WORLD_SIZE"]) < min_world:
+            raise UsageError(f"this needs at least {min_world} processes "
+                             f"(--nproc-per-node={min_world} or more)")
+    p.checks.append(check_torchrun)
+    return p
 
 
 def setup_logging(rank: int = 0) -> logging.Logger:

@@ -423,3 +423,35 @@ __all__ = ["DataError", "Corpus", "Data", "PackedDataset", "PaddedDataset", "bui
            "get_tokenizer", "load_corpus", "load_tokenizer", "looks_local", "local_files",
            "special_ids", "split_documents", "stdlib_files", "tokenize_corpus",
            "train_tokenizer", "IGNORE_INDEX", "PAD", "BOT", "EOT", "SPECIAL_TOKENS"]
+
+
+def prepare(load, errors=(DataError,)):
+    """Run `load()` (it trains the tokenizer and tokenizes once, into the cache) and
+    return its result; a DataError stops the run with one line and exit status 2.
+    Under torchrun, local rank 0 of every machine goes first and fills its machine's
+    cache, then the other ranks read it (machines need not share a disk), and an error
+    on any rank stops every rank with that message instead of leaving peers waiting."""
+    import torch.distributed as dist
+
+    from .cli import fail
+
+    def first_error(error):
+        if not (dist.is_available() and dist.is_initialized()):
+            return error
+        errors_ = [None] * dist.get_world_size()
+        dist.all_gather_object(errors_, error)  # every rank's error, or None
+        return next((e for e in errors_ if e), None)
+
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    result = None
+    for turn in (0, 1):  # turn 0: local rank 0 of each machine; turn 1: the others
+        error = None
+        if (local_rank == 0) == (turn == 0):
+            try:
+                result = load()
+            except errors as e:
+                error = str(e)
+        error = first_error(error)
+        if error:
+            fail(error)
+    return result

@@ -1,0 +1,79 @@
+"""Process-group plumbing the chapters use but do not teach.
+
+- `DDP_NO_BUFFER_SYNC`: DDP's "do not re-send buffers before every forward" keyword,
+  under the name this torch version knows.
+- `init_process_group_for_restarts`: chapter 04's join, safe across torchrun restarts.
+- `destroy_process_group`: the teardown that avoids gloo's exit deadlock.
+- `start_demo`: the process group of the chapter 05 scripts (one process per device).
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+
+# Our only buffers are the constant RoPE tables, so DDP need not re-broadcast them before
+# every forward. The flag was renamed (broadcast_buffers -> forward_sync_buffers); the old
+# name warns in recent torch.
+DDP_NO_BUFFER_SYNC = ({"forward_sync_buffers": False}
+                      if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+                      else {"broadcast_buffers": False})
+
+
+def init_process_group_for_restarts(backend: str, timeout: timedelta, **kwargs):
+    """init_process_group on a store namespaced by torchrun's restart count. torchrun
+    keeps one store across restarts, still holding the dead workers' addresses; without
+    the prefix a restarted gloo group tries to reach them and times out (torch 2.13)."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun hosts it
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=rank == 0 and not agent_store, timeout=timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"attempt-{restart}", store),
+                            rank=rank, world_size=world_size, timeout=timeout, **kwargs)
+
+
+def destroy_process_group():
+    """Collect garbage first (a DDP wrapper the caller just dropped holds the group in its
+    reducer), then destroy the group. Left to interpreter exit, the two teardowns can
+    deadlock in gloo."""
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@dataclass
+class Demo:
+    rank: int
+    world: int
+    device: torch.device
+    backend: str
+
+
+def start_demo(timeout_s: float, *, deterministic: bool = False) -> Demo:
+    """The chapter 05 scripts' process group: torchrun set RANK, LOCAL_RANK, WORLD_SIZE,
+    MASTER_ADDR and MASTER_PORT; nccl moves GPU memory between GPUs, gloo moves CPU
+    memory over sockets. `deterministic`: fp32 without TF32 and deterministic kernels on
+    GPUs, where runs must agree to rounding."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    kwargs = {}
+    if torch.cuda.is_available():
+        if deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True, warn_only=True)
+            torch.backends.cuda.matmul.allow_tf32 = False
+        torch.cuda.set_device(local_rank)  # else every process would use GPU 0
+        backend, device = "nccl", torch.device("cuda", local_rank)
+        kwargs["device_id"] = device
+    else:
+        backend, device = "gloo", torch.device("cpu")
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+    return Demo(dist.get_rank(), dist.get_world_size(), device, backend)

@@ -1,0 +1,97 @@
+"""The bookkeeping around a training loop, in one object a chapter calls per step and at
+the end: phase timing, the metrics window, the progress bar, `metrics.jsonl`,
+`summary.json` and the throughput table. Only rank 0 writes and shows anything; the
+other ranks time their steps all the same (their summary is never written).
+
+    tracker = Tracker(CHAPTER, run_dir, device, total_steps, tokens_per_step, log, rank=rank)
+    tracker.start_step();  with tracker.phase("forward"): ...;  tracker.end_step()
+    tracker.log(step, loss=..., lr=...)        # on logging steps
+    tracker.finish(args=args, ...)             # summary.json + the table
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from .metrics import (MetricsWriter, PhaseTimer, StepStats, build_summary, find_baseline,
+                      throughput_table, write_json)
+
+
+class Tracker:
+    def __init__(self, chapter: str, run_dir: Path, device, total_steps: int,
+                 tokens_per_step: int, log, *, rank: int = 0, start_step: int = 0):
+        self.chapter, self.run_dir, self.device, self.logger = chapter, Path(run_dir), device, log
+        self.total_steps, self.tokens_per_step, self.rank = total_steps, tokens_per_step, rank
+        self.timer, self.stats = PhaseTimer(device), StepStats()
+        self.writer = (MetricsWriter(self.run_dir / "metrics.jsonl", append=start_step > 0)
+                       if rank == 0 else None)
+        self.window_tokens, self.window_time = 0, 0.0
+        self.t_start = time.perf_counter()
+        # Log lines go through tqdm.write while the bar is shown, so neither garbles the other.
+        self._redirect = logging_redirect_tqdm([log]) if rank == 0 else None
+        if self._redirect:
+            self._redirect.__enter__()
+        self.bar = tqdm(total=total_steps, initial=start_step, desc=chapter, dynamic_ncols=True,
+                        disable=None if rank == 0 else True)
+
+    def phase(self, name: str):
+        """`with tracker.phase("forward"):` times the block into this step's split."""
+        return self.timer.phase(name)
+
+    def start_step(self):
+        self.timer.reset()
+
+    def end_step(self):
+        self.stats.add(self.timer.times, self.tokens_per_step)
+        self.window_tokens += self.tokens_per_step
+        self.window_time += sum(self.timer.times.values())
+        self.bar.update()
+
+    def log(self, step: int, **values):
+        """One metrics line (rank 0): the values given, the window's tokens/s, this
+        step's phase times; then the progress bar and the log line."""
+        if self.rank == 0:
+            record = {"step": step, **values,
+                      "tokens_per_s": self.window_tokens / max(self.window_time, 1e-12),
+                      **{f"{k}_s": v for k, v in self.timer.times.items()},
+                      "elapsed_s": time.perf_counter() - self.t_start}
+            self.writer.write(record)
+            self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
+            self.logger.info("step %d/%d | loss %.4f | lr %.2e | %.0f tokens/s", step, self.total_steps,
+                          record["loss"], record["lr"], record["tokens_per_s"])
+        self.window_tokens, self.window_time = 0, 0.0
+
+    def close(self):
+        """End of training: the bar goes, log lines print plainly again."""
+        self.bar.close()
+        if self._redirect:
+            self._redirect.__exit__(None, None, None)
+            self._redirect = None
+        if self.writer:
+            self.writer.close()
+            self.writer = None
+
+    def finish(self, **summary_fields) -> dict | None:
+        """Rank 0: summary.json and the throughput table (with the scaling efficiency
+        against a matching chapter 01 run when `args` has a --baseline flag)."""
+        self.close()
+        if self.rank != 0:
+            return None
+        args = summary_fields["args"]
+        summary = build_summary(chapter=self.chapter, device=self.device, stats=self.stats,
+                                tokens_per_step=self.tokens_per_step,
+                                wall_time_s=time.perf_counter() - self.t_start, **summary_fields)
+        if hasattr(args, "baseline"):
+            # tokens/s per process here over chapter 01's tokens/s with the same
+            # per-process batch (1.0 = perfect linear scaling)
+            baseline = find_baseline(args.baseline or args.save_dir, summary)
+            if baseline:
+                summary["scaling_efficiency"] = summary["tokens_per_s_per_device"] / baseline["tokens_per_s"]
+                summary["baseline"] = f"{baseline['chapter']} run {baseline['experiment_name']!r}"
+        write_json(self.run_dir / "summary.json", summary)
+        print(f"\n{throughput_table(summary)}\n\noutputs in {self.run_dir}", flush=True)
+        return summary
