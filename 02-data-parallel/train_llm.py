@@ -8,84 +8,41 @@ With fewer than two GPUs it trains the plain module, as chapter 01 does, and say
     python 02-data-parallel/train_llm.py --model-preset base --batch-size 32   # 2+ GPUs
 """
 
+import itertools
 import json
 import math
-import os
 import random
 import sys
-import time
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Sampler
-from tqdm import tqdm
+from torch.utils.data import DataLoader, DistributedSampler
 
 # Runnable from the repo root or from inside this folder, installed or not.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.cli import UsageError, base_parser, check_args, fail, setup_logging  # noqa: E402
-from common.data import IGNORE_INDEX, DataError, build_datasets, check_enough_samples, dataset_info  # noqa: E402
+from common.cli import base_parser, cuda_device_ids, positive_int, setup_logging  # noqa: E402
+from common.data import IGNORE_INDEX, build_datasets, check_enough_samples, dataset_info, prepare  # noqa: E402
 from common.masks import build_attention_mask  # noqa: E402
-from common.metrics import (MetricsWriter, PhaseTimer, StepStats, build_summary,  # noqa: E402
-                            environment_info, throughput_table, write_json)
+from common.metrics import environment_info  # noqa: E402
 from common.model import LlamaForCausalLM, describe, flops_per_token, get_config, num_parameters  # noqa: E402
+from common.tracker import Tracker  # noqa: E402
 
 CHAPTER = "02-data-parallel"
 
 
 def parse_args(argv=None):
+    # every flag is checked as it is parsed: bad input stops here, before any work
     parser = base_parser(CHAPTER, "Chapter 02: nn.DataParallel over the visible GPUs.")
-    parser.add_argument("--device-ids", default=None,
-                        help="comma-separated CUDA device indices for DataParallel "
-                             "(default: every visible GPU)")
+    parser.add_argument("--device-ids", type=cuda_device_ids, default=None,
+                        help="comma-separated GPU indices for DataParallel; the first gathers "
+                             "the outputs (default: every visible GPU)")
     parser.add_argument("--loss-in-module", action="store_true",
-                        help="compute the loss inside the replicated module, so only one "
-                             "number per GPU is gathered on GPU 0 instead of the logits")
-    args = parser.parse_args(argv)
-    try:
-        check_args(args)
-    except UsageError as e:
-        fail(str(e))
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        fail("chapter 02 trains in one process that drives every GPU; launch it with "
-             "--nproc-per-node=1 (several processes are chapter 03)")
-    if args.device_ids is not None:
-        try:
-            args.device_ids = [int(i) for i in args.device_ids.split(",")]
-        except ValueError:
-            fail(f"--device-ids {args.device_ids!r} must be comma-separated integers")
-        if not torch.cuda.is_available():
-            fail("--device-ids names GPUs, but CUDA is not available here")
-        bad = [i for i in args.device_ids if not 0 <= i < torch.cuda.device_count()]
-        if bad or len(set(args.device_ids)) != len(args.device_ids):
-            fail(f"--device-ids {args.device_ids}: indices must be distinct and below "
-                 f"{torch.cuda.device_count()} (the visible GPUs)")
-        if args.device not in ("auto", f"cuda:{args.device_ids[0]}", "cuda"):
-            fail(f"--device {args.device} conflicts with --device-ids (the first id is the "
-                 f"device that gathers outputs)")
-    return args
-
-
-class EpochShuffleSampler(Sampler):
-    """A fresh shuffle every epoch: exactly the order DistributedSampler(num_replicas=1,
-    shuffle=True, seed=seed) gives after set_epoch(epoch). Chapter 03's ranks then split
-    this same order, so a DDP run sees the same global batches as this script."""
-
-    def __init__(self, num_samples: int, seed: int):
-        self.num_samples, self.seed, self.epoch = num_samples, seed, 0
-
-    def set_epoch(self, epoch: int):
-        self.epoch = epoch
-
-    def __iter__(self):
-        g = torch.Generator()
-        g.manual_seed(self.seed + self.epoch)
-        return iter(torch.randperm(self.num_samples, generator=g).tolist())
-
-    def __len__(self):
-        return self.num_samples
+                        help="compute the loss in each replica: GPU 0 gathers one number per GPU")
+    parser.add_argument("--grad-accum", type=positive_int, default=1,
+                        help="micro-batches per optimizer step (a larger batch in less memory)")
+    return parser.parse_args(argv)
 
 
 def lr_lambda(warmup_steps: int, total_steps: int, min_ratio: float = 0.1):
@@ -98,45 +55,45 @@ def lr_lambda(warmup_steps: int, total_steps: int, min_ratio: float = 0.1):
     return f
 
 
-class ModelWithLoss(nn.Module):
-    """The usual fix for GPU 0's memory: compute the loss on every replica, so
-    DataParallel gathers one number per GPU instead of (batch, seq, vocab) logits."""
+class Replica(torch.nn.Module):
+    """What DataParallel copies onto every GPU and runs in one thread per GPU. It enters
+    autocast itself: in a new thread autocast restarts without our dtype (fp16 on CUDA)."""
 
-    def __init__(self, model):
+    def __init__(self, model, autocast_dtype, loss_in_module):
         super().__init__()
-        self.model = model
+        self.model, self.dtype, self.loss_in_module = model, autocast_dtype, loss_in_module
 
-    def forward(self, x, y, attn_mask=None):
-        logits = self.model(x, attn_mask)
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1),
-                               ignore_index=IGNORE_INDEX)
-        return loss.unsqueeze(0)  # gathered along dim 0 into one value per GPU
+    def forward(self, x, attn_mask, y):
+        with torch.autocast(x.device.type, dtype=self.dtype, enabled=self.dtype is not None):
+            out = self.model(x, attn_mask)
+            if self.loss_in_module:
+                out = F.cross_entropy(out.view(-1, out.size(-1)), y.view(-1), ignore_index=IGNORE_INDEX)
+            return out.unsqueeze(0) if self.loss_in_module else out
 
 
 def compute_loss(model, x, y, attn_mask):
-    if isinstance(getattr(model, "module", model), ModelWithLoss):
-        # one loss per GPU comes back; each GPU got an equal share of the batch
-        return model(x, y, attn_mask).mean()
-    logits = model(x, attn_mask)
+    logits = model(x, attn_mask, y)
+    if logits.dim() == 1:  # --loss-in-module: one loss per GPU, each of an equal share
+        return logits.mean()
     # mean over the real target tokens; padding targets are IGNORE_INDEX
     return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), ignore_index=IGNORE_INDEX)
 
 
 @torch.no_grad()
 def evaluate(model, loader, device, autocast, max_batches, pad_id, padded):
+    """The mean loss per target token over at most max_batches batches, and how many
+    batches that was (a small validation set may hold fewer)."""
     model.eval()
-    total, count = 0.0, 0
-    for i, (x, y) in enumerate(loader):
-        if i == max_batches:
-            break
+    total, count, batches = 0.0, 0, 0
+    for x, y in itertools.islice(loader, max_batches):
         x, y = x.to(device), y.to(device)
         mask = build_attention_mask(x, pad_id) if padded else None
         with autocast:
             loss = compute_loss(model, x, y, mask)
         n = int((y != IGNORE_INDEX).sum())
-        total, count = total + loss.item() * n, count + n
+        total, count, batches = total + loss.item() * n, count + n, batches + 1
     model.train()
-    return total / count if count else None
+    return (total / count if count else None), batches
 
 
 def main():
@@ -153,12 +110,9 @@ def main():
         device = torch.device(args.device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda:0")  # a plain "cuda": the first visible GPU
-    if device.type == "cuda":
-        # DataParallel's first device holds the master copy and gathers the outputs
-        device_ids = args.device_ids or list(range(torch.cuda.device_count()))
-        device = torch.device("cuda", device_ids[0])
-    else:
-        device_ids = []
+    # DataParallel's first device holds the master copy and gathers the outputs
+    device_ids = list(args.device_ids or range(torch.cuda.device_count())) if device.type == "cuda" else []
+    device = torch.device("cuda", device_ids[0]) if device_ids else device
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls on tensor cores
@@ -171,16 +125,19 @@ def main():
     log.info("device %s, dtype %s, seed %d", device, dtype, args.seed)
 
     # ---- data ----------------------------------------------------------------------
-    try:
+    def load_data():
         data = build_datasets(args.dataset_name, args.seq_length, packed=not args.padded,
                               vocab_size=args.vocab_size, tokenizer_path=args.tokenizer,
                               subset=args.dataset_subset, text_column=args.text_column,
                               cache_dir=args.cache_dir)
-        check_enough_samples(data.train, args.batch_size)
-    except DataError as e:
-        fail(str(e))
+        check_enough_samples(data.train, args.batch_size * args.grad_accum)
+        return data
+    data = prepare(load_data)  # trains the tokenizer and tokenizes once (cached)
     log.info("data: %s", json.dumps(dataset_info(data)))
-    sampler = EpochShuffleSampler(len(data.train), args.seed)
+    # A fresh shuffle every epoch (seed + epoch). DistributedSampler with one replica is
+    # just that shuffle; chapter 03's ranks split the very same order.
+    sampler = DistributedSampler(data.train, num_replicas=1, rank=0,
+                                 shuffle=True, seed=args.seed, drop_last=True)
     loader = DataLoader(data.train, batch_size=args.batch_size, sampler=sampler,
                         drop_last=True,  # every step sees a full batch
                         num_workers=args.num_workers, pin_memory=device.type == "cuda")
@@ -192,125 +149,103 @@ def main():
     n_params = num_parameters(model)
     log.info("model: %s preset, %.2f M parameters (%s)", args.model_preset, n_params / 1e6,
              describe(config))
-    raw_model = model  # the bare module: its weights are what we save
-    train_model = ModelWithLoss(model) if args.loss_in_module else model
+    dp_model = Replica(model, torch.bfloat16 if dtype == "bf16" else None, args.loss_in_module)
     notes = []
     if len(device_ids) >= 2:
-        # Each step: scatter the batch, replicate the module, run the replicas in
-        # threads, gather the outputs on device_ids[0]; backward sums the gradients
-        # there. --batch-size is the whole batch, split across the GPUs.
-        train_model = nn.DataParallel(train_model, device_ids=device_ids)
-        log.info("DataParallel over GPUs %s: %d samples per step, about %d per GPU",
-                 device_ids, args.batch_size, args.batch_size // len(device_ids))
-        if args.batch_size < len(device_ids):
-            log.warning("batch %d is smaller than the %d GPUs: some GPUs get nothing",
-                        args.batch_size, len(device_ids))
+        # Each step: split the batch, copy the module to each GPU, run the copies in threads,
+        # gather outputs on device_ids[0]; backward sums the copies' gradients into `model`.
+        dp_model = torch.nn.DataParallel(dp_model, device_ids=device_ids)
     else:
-        found = f"{torch.cuda.device_count()} CUDA device" + ("" if torch.cuda.device_count() == 1 else "s")
-        notes.append(f"DataParallel needs two or more GPUs; found {found}: trained the plain module")
-        log.warning("%s", notes[-1])
+        notes.append(f"DataParallel needs 2+ GPUs, found {len(device_ids)}: trained the plain module")
+        log.warning(notes[-1])
 
     # ---- optimizer and schedule ----------------------------------------------------
     # No weight decay on norm weights (1-D); fused AdamW does the update in a few
     # kernels instead of several per parameter on CUDA.
-    decay = [p for p in raw_model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in raw_model.parameters() if p.dim() < 2]
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": args.weight_decay},
          {"params": no_decay, "weight_decay": 0.0}],
         lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
-    steps_per_epoch = len(loader)
+    steps_per_epoch = len(loader) // args.grad_accum
     total_steps = args.num_epochs * steps_per_epoch
     if args.max_steps:
         total_steps = min(total_steps, args.max_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup_steps, total_steps))
-    tokens_per_step = args.batch_size * args.seq_length  # processed, padding included
-    log.info("training %d steps (%d per epoch), batch %d x %d tokens", total_steps,
-             steps_per_epoch, args.batch_size, args.seq_length)
+    global_batch = args.batch_size * args.grad_accum
+    tokens_per_step = global_batch * args.seq_length  # processed, padding included
+    log.info("training %d steps (%d per epoch); batch %d = %d x grad-accum %d, %d tokens per "
+             "step", total_steps, steps_per_epoch, global_batch, args.batch_size,
+             args.grad_accum, tokens_per_step)
 
     # ---- outputs (created only now: bad input above leaves nothing behind) ---------
     run_dir = Path(args.save_dir) / args.experiment_name
     run_dir.mkdir(parents=True, exist_ok=True)
-    metrics = MetricsWriter(run_dir / "metrics.jsonl")
+    # timing, progress bar, metrics.jsonl, summary.json and the final table
+    tracker = Tracker(CHAPTER, run_dir, device, total_steps, tokens_per_step, log)
 
     # ---- the training loop ---------------------------------------------------------
-    timer, stats = PhaseTimer(device), StepStats()
-    step, loss, t_start = 0, None, time.perf_counter()
-    window_tokens, window_time = 0, 0.0
-    bar = tqdm(total=total_steps, desc=CHAPTER, disable=None, dynamic_ncols=True)
-    train_model.train()
+    step = 0
+    loss_sum = torch.zeros((), device=device)
+    model.train()
     for epoch in range(args.num_epochs):
         sampler.set_epoch(epoch)  # a new order every epoch, the same in every run
         batches = iter(loader)
         for _ in range(steps_per_epoch):
             if step == total_steps:
                 break
-            timer.reset()
-            with timer.phase("data"):
-                x, y = next(batches)
-                x = x.to(device, non_blocking=True)
-                y = y.to(device, non_blocking=True)
-                attn_mask = build_attention_mask(x, data.pad_id) if args.padded else None
-            with timer.phase("forward"):
-                with autocast:
-                    loss = compute_loss(train_model, x, y, attn_mask)
-            with timer.phase("backward"):
-                loss.backward()
-            with timer.phase("update"):
-                grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), 1.0)
+            tracker.start_step()
+            loss_sum.zero_()
+            # Gradient accumulation: backward adds into .grad, so grad-accum micro-batches,
+            # each loss divided by their number, give the gradient of one larger batch.
+            for micro in range(args.grad_accum):
+                with tracker.phase("data"):
+                    x, y = next(batches)
+                    x = x.to(device, non_blocking=True)
+                    y = y.to(device, non_blocking=True)
+                    attn_mask = build_attention_mask(x, data.pad_id) if args.padded else None
+                with tracker.phase("forward"):
+                    with autocast:
+                        loss = compute_loss(dp_model, x, y, attn_mask) / args.grad_accum
+                with tracker.phase("backward"):
+                    loss.backward()
+                loss_sum += loss.detach()  # stays on the device: no host sync per step
+            with tracker.phase("update"):
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 scheduler.step()
             step += 1
-            stats.add(timer.times, tokens_per_step)
-            window_tokens += tokens_per_step
-            window_time += sum(timer.times.values())
-            bar.update()
-
+            tracker.end_step()
             if step % args.log_freq == 0 or step == total_steps:
                 # .item() waits for the device: only on logging steps
-                record = {"step": step, "epoch": epoch, "loss": loss.item(),
-                          "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm.item(),
-                          "tokens_per_s": window_tokens / window_time,
-                          **{f"{k}_s": v for k, v in timer.times.items()},
-                          "elapsed_s": time.perf_counter() - t_start}
-                metrics.write(record)
-                bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
-                log.info("step %d/%d | loss %.4f | lr %.2e | %.0f tokens/s", step, total_steps,
-                         record["loss"], record["lr"], record["tokens_per_s"])
-                window_tokens, window_time = 0, 0.0
-    bar.close()
-    metrics.close()
+                tracker.log(step, epoch=epoch, loss=loss_sum.item(), lr=scheduler.get_last_lr()[0],
+                            grad_norm=grad_norm.item())
+    tracker.close()
 
     # ---- validation, sample, weights, summary --------------------------------------
-    val_loss = evaluate(train_model, val_loader, device, autocast, args.val_batches, data.pad_id, args.padded)
+    val_loss, val_batches = evaluate(dp_model, val_loader, device, autocast, args.val_batches,
+                                     data.pad_id, args.padded)
     log.info("validation loss %s over %d batches",
-             f"{val_loss:.4f}" if val_loss is not None else "n/a", args.val_batches)
+             f"{val_loss:.4f}" if val_loss is not None else "n/a", val_batches)
     prompt = ([data.bot_id] if args.padded else []) + data.tokenizer.encode("def ").ids
-    raw_model.eval()
+    model.eval()
     with autocast:
-        out = raw_model.generate(torch.tensor([prompt], device=device), max_new_tokens=48,
-                                 generator=torch.Generator(device).manual_seed(args.seed),
-                                 eos_id=data.eot_id)
+        out = model.generate(torch.tensor([prompt], device=device), max_new_tokens=48,
+                             generator=torch.Generator(device).manual_seed(args.seed),
+                             eos_id=data.eot_id)
     log.info("sample:\n%s", data.tokenizer.decode(out[0].tolist()))
 
-    # The bare module's weights (no "module." prefix): they load into a plain model.
-    torch.save(raw_model.state_dict(), run_dir / "model.pt")
-    num_devices = len(device_ids) if len(device_ids) >= 2 else 1
-    peak_per_device = [torch.cuda.max_memory_allocated(i) / 2**20 for i in device_ids]
-    summary = build_summary(
-        chapter=CHAPTER, args=args, world_size=1, device=device, dtype=dtype,
-        num_params=n_params, flops_per_token=flops_per_token(config, n_params, args.seq_length),
-        stats=stats, tokens_per_step=tokens_per_step,
-        final_loss=loss.item() if loss is not None else None, val_loss=val_loss,
-        wall_time_s=time.perf_counter() - t_start, num_devices=num_devices,
-        extra={"global_batch_size": args.batch_size, "data": dataset_info(data),
-               "data_parallel": num_devices >= 2, "device_ids": device_ids,
-               "loss_in_module": args.loss_in_module,
-               "peak_memory_per_device_mb": peak_per_device if num_devices >= 2 else [],
-               "notes": notes})
-    write_json(run_dir / "summary.json", summary)
-    print(f"\n{throughput_table(summary)}\n\noutputs in {run_dir}", flush=True)
+    torch.save(model.state_dict(), run_dir / "model.pt")
+    tracker.finish(args=args, world_size=1, dtype=dtype, num_params=n_params,
+                   flops_per_token=flops_per_token(config, n_params, args.seq_length),
+                   final_loss=loss_sum.item(), val_loss=val_loss,
+                   extra={"global_batch_size": global_batch, "grad_accum": args.grad_accum,
+                          "data": dataset_info(data), "notes": notes,
+                          "peak_memory_per_device_mb": [torch.cuda.max_memory_allocated(i) / 2**20
+                                                        for i in device_ids]},
+                   num_devices=max(1, len(device_ids)))
 
 
 if __name__ == "__main__":

@@ -283,3 +283,17 @@ def setup_logging(rank: int = 0) -> logging.Logger:
                         format=f"%(asctime)s {prefix}%(levelname)s %(message)s",
                         datefmt="%H:%M:%S", force=True, stream=sys.stdout)
     return logging.getLogger("train")
+
+
+def cuda_device_ids(text: str) -> list[int]:
+    """--device-ids 0,1,3: distinct indices of visible GPUs."""
+    try:
+        ids = [int(i) for i in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated GPU indices (got {text!r})") from None
+    if not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError("names GPUs, but CUDA is not available here")
+    if len(set(ids)) != len(ids) or not all(0 <= i < torch.cuda.device_count() for i in ids):
+        raise argparse.ArgumentTypeError(f"{text}: indices must be distinct and below "
+                                         f"{torch.cuda.device_count()} (the visible GPUs)")
+    return ids
