@@ -1,8 +1,7 @@
 """Chapter 02: chapter 01 plus nn.DataParallel over every visible GPU.
 
-One process drives all GPUs with threads: each step the batch is split across the
-devices, the module is copied onto each, the outputs are gathered on the first device.
-With fewer than two GPUs it trains the plain module, as chapter 01 does, and says so.
+One process drives all GPUs with threads: it splits each batch, copies the module onto
+every GPU and gathers the outputs on the first. Without 2 GPUs: the plain module, said so.
 
     python 02-data-parallel/train_llm.py                                   # CPU ok
     python 02-data-parallel/train_llm.py --model-preset base --batch-size 32   # 2+ GPUs
@@ -27,6 +26,8 @@ from common.data import IGNORE_INDEX, build_datasets, check_enough_samples, data
 from common.masks import build_attention_mask  # noqa: E402
 from common.metrics import environment_info  # noqa: E402
 from common.model import LlamaForCausalLM, describe, flops_per_token, get_config, num_parameters  # noqa: E402
+from common.runfolder import claim_run_folder  # noqa: E402
+from common.stopping import run_main  # noqa: E402
 from common.tracker import Tracker  # noqa: E402
 
 CHAPTER = "02-data-parallel"
@@ -43,6 +44,62 @@ def parse_args(argv=None):
     parser.add_argument("--grad-accum", type=positive_int, default=1,
                         help="micro-batches per optimizer step (a larger batch in less memory)")
     return parser.parse_args(argv)
+
+
+def setup(args):
+    """The device, the dtype the math runs in, and the seeds."""
+    if args.device == "auto":
+        device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(args.device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda:0")  # a plain "cuda": the first visible GPU
+    # DataParallel's first device holds the master copy and gathers the outputs
+    device_ids = list(args.device_ids or range(torch.cuda.device_count())) if device.type == "cuda" else []
+    device = torch.device("cuda", device_ids[0]) if device_ids else device
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls on tensor cores
+        torch.backends.cudnn.allow_tf32 = True
+    dtype = args.dtype if args.dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
+    # bf16 autocast: matmuls in bf16, weights and optimizer state stay fp32
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bf16" else nullcontext()
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)  # seeds every device; the model init depends on it
+    return device, device_ids, dtype, autocast
+
+
+def load_data(args, device):
+    """The corpus, tokenized once (cached), and the training and validation loaders."""
+    def build():
+        data = build_datasets(args.dataset_name, args.seq_length, packed=not args.padded,
+                              vocab_size=args.vocab_size, tokenizer_path=args.tokenizer,
+                              subset=args.dataset_subset, text_column=args.text_column,
+                              cache_dir=args.cache_dir)
+        check_enough_samples(data.train, args.batch_size * args.grad_accum)
+        return data
+    data = prepare(build)  # a data problem stops the run here, with one line
+    # A fresh shuffle every epoch (seed + epoch). DistributedSampler with one replica is
+    # just that shuffle; chapter 03's ranks split the very same order.
+    sampler = DistributedSampler(data.train, num_replicas=1, rank=0,
+                                 shuffle=True, seed=args.seed, drop_last=True)
+    loader = DataLoader(data.train, batch_size=args.batch_size, sampler=sampler,
+                        drop_last=True,  # every step sees a full batch
+                        num_workers=args.num_workers, pin_memory=device.type == "cuda",
+                        generator=torch.Generator().manual_seed(args.seed))  # not the global RNG
+    val_loader = DataLoader(data.val, batch_size=args.batch_size, num_workers=0)
+    return data, sampler, loader, val_loader
+
+
+def build_optimizer(model, args, device):
+    """AdamW; no weight decay on norm weights (1-D). Fused AdamW does the update in a few
+    kernels instead of several per parameter on CUDA."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay},
+         {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
 
 
 def lr_lambda(warmup_steps: int, total_steps: int, min_ratio: float = 0.1):
@@ -96,92 +153,57 @@ def evaluate(model, loader, device, autocast, max_batches, pad_id, padded):
     return (total / count if count else None), batches
 
 
+@torch.no_grad()
+def sample(model, data, device, autocast, args) -> str:
+    """48 tokens the model writes after "def " (seeded: the same text in every run)."""
+    prompt = ([data.bot_id] if args.padded else []) + data.tokenizer.encode("def ").ids
+    model.eval()
+    with autocast:
+        out = model.generate(torch.tensor([prompt], device=device), max_new_tokens=48,
+                             generator=torch.Generator(device).manual_seed(args.seed),
+                             eos_id=data.eot_id)
+    return data.tokenizer.decode(out[0].tolist())
+
+
 def main():
-    # ---- arguments and environment -------------------------------------------------
+    # ---- arguments, device, environment --------------------------------------------
     args = parse_args()
+    device, device_ids, dtype, autocast = setup(args)
     log = setup_logging()
     log.info("environment: %s", json.dumps(environment_info()))
     log.info("arguments: %s", json.dumps(vars(args)))
-
-    # ---- device, dtype, seed -------------------------------------------------------
-    if args.device == "auto":
-        device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-    else:
-        device = torch.device(args.device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda:0")  # a plain "cuda": the first visible GPU
-    # DataParallel's first device holds the master copy and gathers the outputs
-    device_ids = list(args.device_ids or range(torch.cuda.device_count())) if device.type == "cuda" else []
-    device = torch.device("cuda", device_ids[0]) if device_ids else device
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls on tensor cores
-        torch.backends.cudnn.allow_tf32 = True
-    dtype = args.dtype if args.dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
-    # bf16 autocast: matmuls in bf16, weights and optimizer state stay fp32
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bf16" else nullcontext()
-    random.seed(args.seed)
-    torch.manual_seed(args.seed)  # seeds every device; the model init depends on it
     log.info("device %s, dtype %s, seed %d", device, dtype, args.seed)
 
     # ---- data ----------------------------------------------------------------------
-    def load_data():
-        data = build_datasets(args.dataset_name, args.seq_length, packed=not args.padded,
-                              vocab_size=args.vocab_size, tokenizer_path=args.tokenizer,
-                              subset=args.dataset_subset, text_column=args.text_column,
-                              cache_dir=args.cache_dir)
-        check_enough_samples(data.train, args.batch_size * args.grad_accum)
-        return data
-    data = prepare(load_data)  # trains the tokenizer and tokenizes once (cached)
+    data, sampler, loader, val_loader = load_data(args, device)
     log.info("data: %s", json.dumps(dataset_info(data)))
-    # A fresh shuffle every epoch (seed + epoch). DistributedSampler with one replica is
-    # just that shuffle; chapter 03's ranks split the very same order.
-    sampler = DistributedSampler(data.train, num_replicas=1, rank=0,
-                                 shuffle=True, seed=args.seed, drop_last=True)
-    loader = DataLoader(data.train, batch_size=args.batch_size, sampler=sampler,
-                        drop_last=True,  # every step sees a full batch
-                        num_workers=args.num_workers, pin_memory=device.type == "cuda")
-    val_loader = DataLoader(data.val, batch_size=args.batch_size, num_workers=0)
 
-    # ---- model ---------------------------------------------------------------------
+    # ---- model, optimizer and schedule ---------------------------------------------
     config = get_config(args.model_preset, data.vocab_size)
     model = LlamaForCausalLM(config).to(device)
     n_params = num_parameters(model)
     log.info("model: %s preset, %.2f M parameters (%s)", args.model_preset, n_params / 1e6,
              describe(config))
     dp_model = Replica(model, torch.bfloat16 if dtype == "bf16" else None, args.loss_in_module)
-    notes = []
     if len(device_ids) >= 2:
         # Each step: split the batch, copy the module to each GPU, run the copies in threads,
         # gather outputs on device_ids[0]; backward sums the copies' gradients into `model`.
         dp_model = torch.nn.DataParallel(dp_model, device_ids=device_ids)
-    else:
-        notes.append(f"DataParallel needs 2+ GPUs, found {len(device_ids)}: trained the plain module")
-        log.warning(notes[-1])
-
-    # ---- optimizer and schedule ----------------------------------------------------
-    # No weight decay on norm weights (1-D); fused AdamW does the update in a few
-    # kernels instead of several per parameter on CUDA.
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": args.weight_decay},
-         {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+    else:  # said now and in the final table
+        log.warning(note := f"DataParallel needs 2+ GPUs, found {len(device_ids)}: trained the plain module")
+    optimizer = build_optimizer(model, args, device)
     steps_per_epoch = len(loader) // args.grad_accum
-    total_steps = args.num_epochs * steps_per_epoch
-    if args.max_steps:
-        total_steps = min(total_steps, args.max_steps)
+    # --max-steps wins, with as many epochs as it takes; 0 = --num-epochs whole epochs
+    total_steps = args.max_steps or args.num_epochs * steps_per_epoch
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup_steps, total_steps))
     global_batch = args.batch_size * args.grad_accum
     tokens_per_step = global_batch * args.seq_length  # processed, padding included
-    log.info("training %d steps (%d per epoch); batch %d = %d x grad-accum %d, %d tokens per "
-             "step", total_steps, steps_per_epoch, global_batch, args.batch_size,
-             args.grad_accum, tokens_per_step)
+    log.info("training %d steps (%.2f epochs of %d); batch %d = %d x grad-accum %d, %d tokens "
+             "per step", total_steps, total_steps / steps_per_epoch, steps_per_epoch,
+             global_batch, args.batch_size, args.grad_accum, tokens_per_step)
 
     # ---- outputs (created only now: bad input above leaves nothing behind) ---------
-    run_dir = Path(args.save_dir) / args.experiment_name
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = claim_run_folder(Path(args.save_dir) / args.experiment_name)  # ours alone
     # timing, progress bar, metrics.jsonl, summary.json and the final table
     tracker = Tracker(CHAPTER, run_dir, device, total_steps, tokens_per_step, log)
 
@@ -189,12 +211,12 @@ def main():
     step = 0
     loss_sum = torch.zeros((), device=device)
     model.train()
-    for epoch in range(args.num_epochs):
+    for epoch in itertools.count():
+        if step == total_steps:
+            break
         sampler.set_epoch(epoch)  # a new order every epoch, the same in every run
         batches = iter(loader)
-        for _ in range(steps_per_epoch):
-            if step == total_steps:
-                break
+        for _ in range(min(steps_per_epoch, total_steps - step)):
             tracker.start_step()
             loss_sum.zero_()
             # Gradient accumulation: backward adds into .grad, so grad-accum micro-batches,
@@ -229,24 +251,16 @@ def main():
                                      data.pad_id, args.padded)
     log.info("validation loss %s over %d batches",
              f"{val_loss:.4f}" if val_loss is not None else "n/a", val_batches)
-    prompt = ([data.bot_id] if args.padded else []) + data.tokenizer.encode("def ").ids
-    model.eval()
-    with autocast:
-        out = model.generate(torch.tensor([prompt], device=device), max_new_tokens=48,
-                             generator=torch.Generator(device).manual_seed(args.seed),
-                             eos_id=data.eot_id)
-    log.info("sample:\n%s", data.tokenizer.decode(out[0].tolist()))
-
+    log.info("sample:\n%s", sample(model, data, device, autocast, args))
     torch.save(model.state_dict(), run_dir / "model.pt")
     tracker.finish(args=args, world_size=1, dtype=dtype, num_params=n_params,
                    flops_per_token=flops_per_token(config, n_params, args.seq_length),
                    final_loss=loss_sum.item(), val_loss=val_loss,
                    extra={"global_batch_size": global_batch, "grad_accum": args.grad_accum,
-                          "data": dataset_info(data), "notes": notes,
-                          "peak_memory_per_device_mb": [torch.cuda.max_memory_allocated(i) / 2**20
-                                                        for i in device_ids]},
+                          "data": dataset_info(data),
+                          "notes": [note] if len(device_ids) < 2 else []},
                    num_devices=max(1, len(device_ids)))
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

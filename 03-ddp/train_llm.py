@@ -166,15 +166,14 @@ def main():
          {"params": no_decay, "weight_decay": 0.0}],
         lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
     steps_per_epoch = len(loader) // args.grad_accum
-    total_steps = args.num_epochs * steps_per_epoch
-    if args.max_steps:
-        total_steps = min(total_steps, args.max_steps)
+    # --max-steps wins, with as many epochs as it takes; 0 = --num-epochs whole epochs
+    total_steps = args.max_steps or args.num_epochs * steps_per_epoch
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup_steps, total_steps))
     global_batch = args.batch_size * world_size * args.grad_accum
     tokens_per_step = global_batch * args.seq_length  # processed, padding included
-    log.info("training %d steps (%d per epoch); batch %d = %d x world %d x grad-accum %d, %d "
-             "tokens per step", total_steps, steps_per_epoch, global_batch, args.batch_size,
-             world_size, args.grad_accum, tokens_per_step)
+    log.info("training %d steps (%.2f epochs of %d); batch %d = %d x world %d x grad-accum %d, "
+             "%d tokens per step", total_steps, total_steps / steps_per_epoch, steps_per_epoch,
+             global_batch, args.batch_size, world_size, args.grad_accum, tokens_per_step)
 
     # ---- outputs (created only now: bad input above leaves nothing behind) ---------
     run_dir = Path(args.save_dir) / args.experiment_name
@@ -187,12 +186,12 @@ def main():
     step = 0
     loss_sum = torch.zeros((), device=device)
     model.train()
-    for epoch in range(args.num_epochs):
+    for epoch in itertools.count():
+        if step == total_steps:
+            break
         sampler.set_epoch(epoch)  # a new order every epoch, the same in every run
         batches = iter(loader)
-        for _ in range(steps_per_epoch):
-            if step == total_steps:
-                break
+        for _ in range(min(steps_per_epoch, total_steps - step)):
             tracker.start_step()
             loss_sum.zero_()
             # Gradient accumulation: backward adds into .grad, so grad-accum micro-batches,

@@ -229,7 +229,7 @@ def check_run_folder(args, name_prefix: str, *, must_be_new: bool = True) -> Non
     if save_dir.exists() and not save_dir.is_dir():
         raise UsageError(f"--save-dir {str(save_dir)!r} exists and is not a folder")
     run_dir = save_dir / args.experiment_name
-    if must_be_new and run_dir.exists() and any(run_dir.iterdir()):
+    if must_be_new and run_dir.is_dir() and any(p.name != ".owner" for p in run_dir.iterdir()):
         raise UsageError(f"run folder {str(run_dir)!r} already exists and is not empty; "
                          f"choose another --experiment-name or remove it")
 
@@ -297,3 +297,10 @@ def cuda_device_ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"{text}: indices must be distinct and below "
                                          f"{torch.cuda.device_count()} (the visible GPUs)")
     return ids
+
+
+def checkpoint_folder(text: str) -> str:
+    """--resume-from: a chapter 04 checkpoint folder (it holds manifest.json)."""
+    if not os.path.isfile(os.path.join(text, "manifest.json")):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a checkpoint folder (no manifest.json)")
+    return text

@@ -378,6 +378,7 @@ class Data:
     packed: bool
     corpus_name: str
     num_documents: int
+    fingerprint: str  # of the corpus and the tokenizer: a checkpoint resumes only the same
 
 
 def build_datasets(dataset_name: str = "stdlib", seq_len: int = 256, packed: bool = True,
@@ -401,8 +402,9 @@ def build_datasets(dataset_name: str = "stdlib", seq_len: int = 256, packed: boo
     if len(train) == 0:
         raise DataError(f"dataset {dataset_name!r} is too small for one sample of "
                         f"{seq_len + 1} tokens")
+    fingerprint = hashlib.sha256(f"{corpus.identity}|{tok.to_str()}".encode()).hexdigest()[:16]
     return Data(train, val, tok, tok_path, tok.get_vocab_size(), ids["pad"], ids["bot"],
-                ids["eot"], packed, dataset_name, len(tokenized))
+                ids["eot"], packed, dataset_name, len(tokenized), fingerprint)
 
 
 def check_enough_samples(dataset, global_batch: int, what: str = "training") -> None:
@@ -415,7 +417,7 @@ def dataset_info(data: Data) -> dict:
     return {"dataset": data.corpus_name, "documents": data.num_documents,
             "train_samples": len(data.train), "val_samples": len(data.val),
             "form": "packed" if data.packed else "padded", "vocab_size": data.vocab_size,
-            "tokenizer": data.tokenizer_path}
+            "tokenizer": data.tokenizer_path, "fingerprint": data.fingerprint}
 
 
 __all__ = ["DataError", "Corpus", "Data", "PackedDataset", "PaddedDataset", "build_datasets",
@@ -431,16 +433,8 @@ def prepare(load, errors=(DataError,)):
     Under torchrun, local rank 0 of every machine goes first and fills its machine's
     cache, then the other ranks read it (machines need not share a disk), and an error
     on any rank stops every rank with that message instead of leaving peers waiting."""
-    import torch.distributed as dist
-
     from .cli import fail
-
-    def first_error(error):
-        if not (dist.is_available() and dist.is_initialized()):
-            return error
-        errors_ = [None] * dist.get_world_size()
-        dist.all_gather_object(errors_, error)  # every rank's error, or None
-        return next((e for e in errors_ if e), None)
+    from .distributed import first_error
 
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     result = None

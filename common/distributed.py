@@ -2,6 +2,7 @@
 
 - `DDP_NO_BUFFER_SYNC`: DDP's "do not re-send buffers before every forward" keyword,
   under the name this torch version knows.
+- `first_error`: every rank learns the first rank's error, so all stop together.
 - `init_process_group_for_restarts`: chapter 04's join, safe across torchrun restarts.
 - `destroy_process_group`: the teardown that avoids gloo's exit deadlock.
 - `start_demo`: the process group of the chapter 05 scripts (one process per device).
@@ -26,6 +27,16 @@ from torch.nn.parallel import DistributedDataParallel
 DDP_NO_BUFFER_SYNC = ({"forward_sync_buffers": False}
                       if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
                       else {"broadcast_buffers": False})
+
+
+def first_error(error: str | None) -> str | None:
+    """Every rank passes its error (or None) and gets the lowest rank's error back. A
+    collective: every rank calls it. Without a process group it returns `error`."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return error
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return next((e for e in errors if e), None)
 
 
 def init_process_group_for_restarts(backend: str, timeout: timedelta, **kwargs):

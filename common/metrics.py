@@ -146,8 +146,18 @@ class MetricsWriter:
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """The records of a metrics.jsonl; a torn line (a kill or a full disk mid-write) is
+    skipped, not fatal."""
+    records = []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                records.append(record)
+    return records
 
 
 def write_jsonl(path: str | os.PathLike, records: list[dict]):

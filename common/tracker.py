@@ -14,11 +14,12 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from .metrics import (MetricsWriter, PhaseTimer, StepStats, build_summary, find_baseline,
-                      throughput_table, write_json)
+                      read_metrics, throughput_table, write_json, write_jsonl)
 
 
 class Tracker:
@@ -27,8 +28,13 @@ class Tracker:
         self.chapter, self.run_dir, self.device, self.logger = chapter, Path(run_dir), device, log
         self.total_steps, self.tokens_per_step, self.rank = total_steps, tokens_per_step, rank
         self.timer, self.stats = PhaseTimer(device), StepStats()
-        self.writer = (MetricsWriter(self.run_dir / "metrics.jsonl", append=start_step > 0)
-                       if rank == 0 else None)
+        self.writer = None
+        if rank == 0:
+            path = self.run_dir / "metrics.jsonl"
+            if start_step and path.exists():  # a resumed run: drop what it will redo
+                write_jsonl(path, [r for r in read_metrics(path)
+                                   if isinstance(r.get("step"), int) and r["step"] <= start_step])
+            self.writer = MetricsWriter(path, append=start_step > 0)
         self.window_tokens, self.window_time = 0, 0.0
         self.t_start = time.perf_counter()
         # Log lines go through tqdm.write while the bar is shown, so neither garbles the other.
@@ -85,6 +91,10 @@ class Tracker:
         summary = build_summary(chapter=self.chapter, device=self.device, stats=self.stats,
                                 tokens_per_step=self.tokens_per_step,
                                 wall_time_s=time.perf_counter() - self.t_start, **summary_fields)
+        if torch.device(self.device).type == "cuda" and summary["num_devices"] > 1 \
+                and summary["world_size"] == 1:  # one process, several GPUs (DataParallel)
+            summary["peak_memory_per_device_mb"] = [torch.cuda.max_memory_allocated(i) / 2**20
+                                                    for i in range(torch.cuda.device_count())]
         if hasattr(args, "baseline"):
             # tokens/s per process here over chapter 01's tokens/s with the same
             # per-process batch (1.0 = perfect linear scaling)

@@ -1,0 +1,92 @@
+"""Files that survive crashes, and proof that they are intact (chapter 04's helpers).
+
+- `fsync_write`, `fsync_dir`: a rename is only as durable as what it renames.
+- `write_manifest`, `verify_manifest`: `manifest.json` holds a checkpoint's metadata and a
+  SHA-256 of every file in it; a flipped byte anywhere fails the check.
+- `read_manifest`: the metadata alone, to check a checkpoint's settings before loading it.
+- `disk_full_message`: the one line for ENOSPC; `one_line`: any exception, briefly.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+MANIFEST = "manifest.json"
+
+
+def fsync_write(path, write):
+    """Write a file through `write(f)` and force it to disk."""
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # makes the renames inside it durable
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_manifest(folder: Path, meta: dict):
+    """Checksum every file under `folder` and write them with `meta` into manifest.json
+    (written last: a folder without one was never finished)."""
+    files = {str(p.relative_to(folder)): _sha256(p)
+             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST}
+    fsync_write(folder / MANIFEST, lambda f: f.write(json.dumps({**meta, "sha256": files}, indent=1).encode()))
+
+
+def read_manifest(folder: Path) -> dict:
+    """The metadata; raises ValueError if it is missing or unreadable."""
+    try:
+        return json.loads((Path(folder) / MANIFEST).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"no readable {MANIFEST} ({type(e).__name__})") from None
+
+
+def verify_manifest(folder: Path) -> dict:
+    """The metadata, after checking every file against its checksum (ValueError if not)."""
+    meta = read_manifest(folder)
+    for name, digest in meta["sha256"].items():
+        path = Path(folder) / name
+        if not path.is_file():
+            raise ValueError(f"{name} is missing")
+        if _sha256(path) != digest:
+            raise ValueError(f"{name} does not match its checksum (corrupted)")
+    return meta
+
+
+def dir_size_mb(path: Path) -> float:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file()) / 2**20
+
+
+def is_disk_full(e: BaseException) -> bool:
+    return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full_message(folder: Path, needed_mb: float) -> str:
+    free_mb = shutil.disk_usage(folder).free / 2**20
+    return (f"disk full while saving into {folder}: a checkpoint needs about {needed_mb:,.0f} MB "
+            f"and {free_mb:,.0f} MB are free; free some space or lower --keep-last, then run "
+            f"the same command to resume")
+
+
+def one_line(e: BaseException) -> str:
+    """An exception as one short line: its type and the first line of its message."""
+    text = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__

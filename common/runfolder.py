@@ -1,0 +1,81 @@
+"""The run folder: one owner at a time, never overwritten, never deleted.
+
+- `claim_run_folder`: rank 0 creates the folder and holds an exclusive lock on its
+  `.owner` file for as long as its process lives. The kernel drops the lock when the
+  process ends, however it ends, so a killed job never leaves the folder stuck; a second
+  job with the same --experiment-name stops with one line naming the owner.
+- `archive_run`: move a previous run's files into `archive-<time>/` (chapter 04's --fresh).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import time
+from pathlib import Path
+
+from .cli import fail
+from .distributed import first_error
+
+OWNER_FILE = ".owner"
+_held = []  # lock files kept open, hence locked, until the process exits
+
+
+def claim_run_folder(run_dir: Path, *, rank: int = 0, resumes: bool = False) -> Path:
+    """Create and lock `run_dir` (rank 0); every rank hears a refusal and stops with it.
+    Unless `resumes`, a folder already holding results is refused, as at parse time:
+    the check is repeated under the lock, where no other job can race it."""
+    error = None
+    if rank == 0:
+        try:
+            error = _claim(Path(run_dir), resumes)
+        except OSError as e:
+            error = f"cannot create the run folder {str(run_dir)!r}: {e.strerror or e}"
+    error = first_error(error)
+    if error:
+        fail(error)
+    return Path(run_dir)
+
+
+def _claim(run_dir: Path, resumes: bool) -> str | None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    f = open(run_dir / OWNER_FILE, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        owner = f.read().strip() or "another job"
+        f.close()
+        return (f"run folder {str(run_dir)!r} is in use by {owner}; wait for it to end or "
+                f"choose another --experiment-name")
+    if not resumes and any(p.name != OWNER_FILE for p in run_dir.iterdir()):
+        f.close()
+        return (f"run folder {str(run_dir)!r} already exists and is not empty; choose another "
+                f"--experiment-name or remove it")
+    job = os.environ.get("TORCHELASTIC_RUN_ID")
+    f.seek(0)
+    f.truncate()
+    f.write(f"{'job ' + job + ', ' if job else ''}pid {os.getpid()} on {socket.gethostname()}, "
+            f"since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    f.flush()
+    _held.append(f)
+    return None
+
+
+def archive_run(run_dir: Path) -> Path | None:
+    """Move everything but earlier archives into a new `archive-<time>` folder inside
+    `run_dir`; returns it (None if there was nothing to move)."""
+    items = [p for p in Path(run_dir).iterdir()
+             if not p.name.startswith("archive-") and p.name != OWNER_FILE]
+    if not items:
+        return None
+    archive = Path(run_dir) / f"archive-{time.strftime('%Y%m%d-%H%M%S')}"
+    n = 1
+    while archive.exists():  # two archives in one second
+        archive = archive.with_name(f"archive-{time.strftime('%Y%m%d-%H%M%S')}-{n}")
+        n += 1
+    archive.mkdir()
+    for item in items:
+        os.rename(item, archive / item.name)
+    return archive

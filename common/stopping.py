@@ -1,0 +1,69 @@
+"""Stopping cleanly: Ctrl-C, a scheduler's SIGTERM, and a launcher that vanished.
+
+- `run_main(main)`: Ctrl-C ends a chapter with one line (exit 130), not a traceback
+  from every rank.
+- `exit_with_launcher()`: under torchrun, ask the kernel to send us SIGTERM when our
+  launcher (torchrun's agent, our parent) dies, so no worker trains on as an orphan.
+- `StopRequest`: chapter 04's handlers for SIGINT/SIGTERM that only take note; the
+  training loop asks `agreed()` after every step, and all ranks stop at the same step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def run_main(main):
+    try:
+        return main()
+    except KeyboardInterrupt:
+        if int(os.environ.get("RANK") or 0) == 0:
+            print("\ninterrupted (Ctrl-C); nothing after the last completed step was saved",
+                  file=sys.stderr, flush=True)
+        os._exit(130)  # no teardown: peers may be gone, and waiting for them would hang
+
+
+def exit_with_launcher():
+    """Linux only (elsewhere a no-op): SIGTERM to this process when its parent dies. If
+    the parent is already gone (we were orphaned before asking), exit now."""
+    if "LOCAL_RANK" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:
+        sys.exit("error: the launcher (torchrun) is gone; stopping")
+
+
+class StopRequest:
+    """SIGINT (Ctrl-C) and SIGTERM (schedulers, torchrun passing one on) set a flag
+    instead of ending the process mid-step."""
+
+    def __init__(self):
+        self.signal = None
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._note)
+        # The ranks agree over a CPU (gloo) group: on GPUs that costs no device sync.
+        self.group = (dist.new_group(backend="gloo")
+                      if dist.is_initialized() and dist.get_backend() != "gloo" else None)
+
+    def _note(self, signum, frame):
+        self.signal = self.signal or signal.Signals(signum).name
+
+    def agreed(self) -> str | None:
+        """The signal's name once any rank got one, on every rank at the same step (a
+        collective when distributed), else None."""
+        if not dist.is_initialized():
+            return self.signal
+        flag = torch.tensor([self.signal is not None], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return (self.signal or "a signal to another rank") if flag.item() else None
