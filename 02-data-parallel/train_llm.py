@@ -9,7 +9,6 @@ every GPU and gathers the outputs on the first. Without 2 GPUs: the plain module
 
 import itertools
 import json
-import math
 import random
 import sys
 from contextlib import nullcontext
@@ -29,6 +28,7 @@ from common.model import LlamaForCausalLM, describe, flops_per_token, get_config
 from common.runfolder import claim_run_folder  # noqa: E402
 from common.stopping import run_main  # noqa: E402
 from common.tracker import Tracker  # noqa: E402
+from common.training import build_optimizer, evaluate, lr_lambda, sample  # noqa: E402
 
 CHAPTER = "02-data-parallel"
 
@@ -91,27 +91,6 @@ def load_data(args, device):
     return data, sampler, loader, val_loader
 
 
-def build_optimizer(model, args, device):
-    """AdamW; no weight decay on norm weights (1-D). Fused AdamW does the update in a few
-    kernels instead of several per parameter on CUDA."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": args.weight_decay},
-         {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
-
-
-def lr_lambda(warmup_steps: int, total_steps: int, min_ratio: float = 0.1):
-    """Linear warmup to the peak, then cosine decay to min_ratio × peak at the last step."""
-    def f(step):
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return f
-
-
 class Replica(torch.nn.Module):
     """What DataParallel copies onto every GPU and runs in one thread per GPU. It enters
     autocast itself: in a new thread autocast restarts without our dtype (fp16 on CUDA)."""
@@ -134,35 +113,6 @@ def compute_loss(model, x, y, attn_mask):
         return logits.mean()
     # mean over the real target tokens; padding targets are IGNORE_INDEX
     return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), ignore_index=IGNORE_INDEX)
-
-
-@torch.no_grad()
-def evaluate(model, loader, device, autocast, max_batches, pad_id, padded):
-    """The mean loss per target token over at most max_batches batches, and how many
-    batches that was (a small validation set may hold fewer)."""
-    model.eval()
-    total, count, batches = 0.0, 0, 0
-    for x, y in itertools.islice(loader, max_batches):
-        x, y = x.to(device), y.to(device)
-        mask = build_attention_mask(x, pad_id) if padded else None
-        with autocast:
-            loss = compute_loss(model, x, y, mask)
-        n = int((y != IGNORE_INDEX).sum())
-        total, count, batches = total + loss.item() * n, count + n, batches + 1
-    model.train()
-    return (total / count if count else None), batches
-
-
-@torch.no_grad()
-def sample(model, data, device, autocast, args) -> str:
-    """48 tokens the model writes after "def " (seeded: the same text in every run)."""
-    prompt = ([data.bot_id] if args.padded else []) + data.tokenizer.encode("def ").ids
-    model.eval()
-    with autocast:
-        out = model.generate(torch.tensor([prompt], device=device), max_new_tokens=48,
-                             generator=torch.Generator(device).manual_seed(args.seed),
-                             eos_id=data.eot_id)
-    return data.tokenizer.decode(out[0].tolist())
 
 
 def main():
@@ -191,7 +141,7 @@ def main():
         dp_model = torch.nn.DataParallel(dp_model, device_ids=device_ids)
     else:  # said now and in the final table
         log.warning(note := f"DataParallel needs 2+ GPUs, found {len(device_ids)}: trained the plain module")
-    optimizer = build_optimizer(model, args, device)
+    optimizer = build_optimizer(model, args.lr, args.weight_decay, device)
     steps_per_epoch = len(loader) // args.grad_accum
     # --max-steps wins, with as many epochs as it takes; 0 = --num-epochs whole epochs
     total_steps = args.max_steps or args.num_epochs * steps_per_epoch
@@ -247,11 +197,11 @@ def main():
     tracker.close()
 
     # ---- validation, sample, weights, summary --------------------------------------
-    val_loss, val_batches = evaluate(dp_model, val_loader, device, autocast, args.val_batches,
+    val_loss, val_batches = evaluate(model, val_loader, device, autocast, args.val_batches,
                                      data.pad_id, args.padded)
     log.info("validation loss %s over %d batches",
              f"{val_loss:.4f}" if val_loss is not None else "n/a", val_batches)
-    log.info("sample:\n%s", sample(model, data, device, autocast, args))
+    log.info("sample:\n%s", sample(model, data, device, autocast, args.seed, args.padded))
     torch.save(model.state_dict(), run_dir / "model.pt")
     tracker.finish(args=args, world_size=1, dtype=dtype, num_params=n_params,
                    flops_per_token=flops_per_token(config, n_params, args.seq_length),

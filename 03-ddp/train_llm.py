@@ -32,7 +32,10 @@ from common.distributed import DDP_NO_BUFFER_SYNC, destroy_process_group  # noqa
 from common.masks import build_attention_mask  # noqa: E402
 from common.metrics import environment_info  # noqa: E402
 from common.model import LlamaForCausalLM, describe, flops_per_token, get_config, num_parameters  # noqa: E402
+from common.runfolder import claim_run_folder  # noqa: E402
+from common.stopping import run_main  # noqa: E402
 from common.tracker import Tracker  # noqa: E402
+from common.training import build_optimizer, evaluate, lr_lambda, sample  # noqa: E402
 
 CHAPTER = "03-ddp"
 
@@ -46,68 +49,19 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def lr_lambda(warmup_steps: int, total_steps: int, min_ratio: float = 0.1):
-    """Linear warmup to the peak, then cosine decay to min_ratio × peak at the last step."""
-    def f(step):
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return f
-
-
-def compute_loss(model, x, y, attn_mask):
-    logits = model(x, attn_mask)
-    # mean over the real target tokens; padding targets are IGNORE_INDEX
-    return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), ignore_index=IGNORE_INDEX)
-
-
-@torch.no_grad()
-def evaluate(model, loader, device, autocast, max_batches, pad_id, padded):
-    """The mean loss per target token over at most max_batches batches, and how many
-    batches that was (a small validation set may hold fewer)."""
-    model.eval()
-    total, count, batches = 0.0, 0, 0
-    for x, y in itertools.islice(loader, max_batches):
-        x, y = x.to(device), y.to(device)
-        mask = build_attention_mask(x, pad_id) if padded else None
-        with autocast:
-            loss = compute_loss(model, x, y, mask)
-        n = int((y != IGNORE_INDEX).sum())
-        total, count, batches = total + loss.item() * n, count + n, batches + 1
-    if dist.is_initialized():  # every rank evaluated its own shard: add them up
-        sums = torch.tensor([total, count, batches], dtype=torch.float64, device=device)
-        dist.all_reduce(sums)
-        total, count, batches = sums[0].item(), int(sums[1].item()), int(sums[2].item())
-    model.train()
-    return (total / count if count else None), batches
-
-
-def main():
-    # ---- arguments and environment -------------------------------------------------
-    args = parse_args()
-
-    # ---- process group: one process per device, started by torchrun ----------------
-    # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT. Plain
-    # `python` sets none of them: world size 1, no process group needed.
-    distributed = "RANK" in os.environ
+def setup(args):
+    """The process group (one process per device), this process's device, the dtype the
+    math runs in, and the seeds. torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR
+    and MASTER_PORT; plain `python` sets none of them: world size 1, no process group."""
     use_cuda = torch.cuda.is_available() and args.device != "cpu"
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if distributed:
-        backend = "nccl" if use_cuda else "gloo"  # nccl for GPUs, gloo for CPUs
-        if use_cuda:
-            torch.cuda.set_device(local_rank)  # else every process would use GPU 0
-        dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout),
-                                device_id=torch.device("cuda", local_rank) if use_cuda else None)
-        rank, world_size = dist.get_rank(), dist.get_world_size()
-    else:
-        backend, rank, world_size = None, 0, 1
-    log = setup_logging(rank)  # rank 0 informs; other ranks speak only on trouble
-    log.info("environment: %s", json.dumps(environment_info()))
-    log.info("arguments: %s", json.dumps(vars(args)))
-
-    # ---- device, dtype, seed -------------------------------------------------------
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)  # else every process would use GPU 0
+    if "RANK" in os.environ:
+        dist.init_process_group(
+            "nccl" if use_cuda else "gloo",  # nccl for GPUs, gloo for CPUs
+            timeout=timedelta(seconds=args.timeout), device_id=device if use_cuda else None)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls on tensor cores
         torch.backends.cudnn.allow_tf32 = True
@@ -116,21 +70,21 @@ def main():
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bf16" else nullcontext()
     random.seed(args.seed)
     torch.manual_seed(args.seed)  # same seed on every rank: same initial weights
-    log.info("rank %d of %d, local rank %d, device %s, backend %s, dtype %s, seed %d",
-             rank, world_size, local_rank, device, backend, dtype, args.seed)
+    return device, dtype, autocast
 
-    # ---- data ----------------------------------------------------------------------
-    def load_data():
+
+def load_data(args, device, rank, world_size):
+    """The corpus, tokenized once (cached), and this rank's training and validation loaders."""
+    def build():
         data = build_datasets(args.dataset_name, args.seq_length, packed=not args.padded,
                               vocab_size=args.vocab_size, tokenizer_path=args.tokenizer,
                               subset=args.dataset_subset, text_column=args.text_column,
                               cache_dir=args.cache_dir)
         check_enough_samples(data.train, args.batch_size * world_size * args.grad_accum)
         return data
-    # Local rank 0 of each machine trains the tokenizer and tokenizes first; the other
-    # ranks then read its cache. An error on any rank stops every rank with its message.
-    data = prepare(load_data)
-    log.info("data: %s", json.dumps(dataset_info(data)))
+    # Local rank 0 of each machine builds the caches first, then the other ranks read
+    # them; a data problem on any rank stops every rank here, with one line.
+    data = prepare(build)
     # Each rank takes every world_size-th sample of one shared shuffle (seed + epoch),
     # so the ranks' batches together form exactly chapter 01's batch of world_size × B.
     # drop_last: no rank repeats samples to even out the split (the default pads so).
@@ -138,12 +92,37 @@ def main():
                                  shuffle=True, seed=args.seed, drop_last=True)
     loader = DataLoader(data.train, batch_size=args.batch_size, sampler=sampler,
                         drop_last=True,  # every step sees a full batch
-                        num_workers=args.num_workers, pin_memory=device.type == "cuda")
+                        num_workers=args.num_workers, pin_memory=device.type == "cuda",
+                        generator=torch.Generator().manual_seed(args.seed))  # not the global RNG
     # Validation is split too: rank r evaluates samples r, r + world_size, ...
     val_sampler = DistributedSampler(data.val, num_replicas=world_size, rank=rank, shuffle=False)
     val_loader = DataLoader(data.val, batch_size=args.batch_size, sampler=val_sampler, num_workers=0)
+    return data, sampler, loader, val_loader
 
-    # ---- model ---------------------------------------------------------------------
+
+def compute_loss(model, x, y, attn_mask):
+    logits = model(x, attn_mask)
+    # mean over the real target tokens; padding targets are IGNORE_INDEX
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), ignore_index=IGNORE_INDEX)
+
+
+def main():
+    # ---- arguments, device, environment --------------------------------------------
+    args = parse_args()
+    device, dtype, autocast = setup(args)
+    distributed = dist.is_initialized()
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    log = setup_logging(rank)  # rank 0 informs; other ranks speak only on trouble
+    log.info("environment: %s", json.dumps(environment_info()))
+    log.info("arguments: %s", json.dumps(vars(args)))
+    log.info("rank %d of %d, device %s, backend %s, dtype %s, seed %d", rank, world_size,
+             device, dist.get_backend() if distributed else None, dtype, args.seed)
+
+    # ---- data ----------------------------------------------------------------------
+    data, sampler, loader, val_loader = load_data(args, device, rank, world_size)
+    log.info("data: %s", json.dumps(dataset_info(data)))
+
+    # ---- model, optimizer and schedule ---------------------------------------------
     config = get_config(args.model_preset, data.vocab_size)
     model = LlamaForCausalLM(config).to(device)
     n_params = num_parameters(model)
@@ -153,18 +132,9 @@ def main():
     if distributed:
         # DDP broadcasts rank 0's weights to every rank, then registers hooks that
         # all-reduce gradients bucket by bucket while backward is still running.
-        model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None,
+        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                     **DDP_NO_BUFFER_SYNC)
-
-    # ---- optimizer and schedule ----------------------------------------------------
-    # No weight decay on norm weights (1-D); fused AdamW does the update in a few
-    # kernels instead of several per parameter on CUDA.
-    decay = [p for p in raw_model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in raw_model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": args.weight_decay},
-         {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+    optimizer = build_optimizer(raw_model, args.lr, args.weight_decay, device)
     steps_per_epoch = len(loader) // args.grad_accum
     # --max-steps wins, with as many epochs as it takes; 0 = --num-epochs whole epochs
     total_steps = args.max_steps or args.num_epochs * steps_per_epoch
@@ -176,9 +146,7 @@ def main():
              global_batch, args.batch_size, world_size, args.grad_accum, tokens_per_step)
 
     # ---- outputs (created only now: bad input above leaves nothing behind) ---------
-    run_dir = Path(args.save_dir) / args.experiment_name
-    if rank == 0:  # one writer
-        run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = claim_run_folder(Path(args.save_dir) / args.experiment_name, rank=rank)  # rank 0
     # timing, progress bar, metrics.jsonl, summary.json and the final table (rank 0)
     tracker = Tracker(CHAPTER, run_dir, device, total_steps, tokens_per_step, log, rank=rank)
 
@@ -238,20 +206,13 @@ def main():
                                      math.ceil(args.val_batches / world_size), data.pad_id, args.padded)
     log.info("validation loss %s over %d batches",
              f"{val_loss:.4f}" if val_loss is not None else "n/a", val_batches)
-    prompt = ([data.bot_id] if args.padded else []) + data.tokenizer.encode("def ").ids
-    raw_model.eval()
-    with autocast:
-        out = raw_model.generate(torch.tensor([prompt], device=device), max_new_tokens=48,
-                             generator=torch.Generator(device).manual_seed(args.seed),
-                             eos_id=data.eot_id)
-    log.info("sample:\n%s", data.tokenizer.decode(out[0].tolist()))
-
+    log.info("sample:\n%s", sample(raw_model, data, device, autocast, args.seed, args.padded))
     if rank == 0:  # one writer; the bare module's weights load into a plain model
         torch.save(raw_model.state_dict(), run_dir / "model.pt")
     tracker.finish(args=args, world_size=world_size, dtype=dtype, num_params=n_params,
                    flops_per_token=flops_per_token(config, n_params, args.seq_length),
-                   final_loss=loss_sum.item(), val_loss=val_loss,
-                   num_devices=world_size, backend=backend,
+                   final_loss=loss_sum.item(), val_loss=val_loss, num_devices=world_size,
+                   backend=dist.get_backend() if distributed else None,
                    extra={"global_batch_size": global_batch, "grad_accum": args.grad_accum,
                           "data": dataset_info(data)})
     if distributed:
@@ -261,4 +222,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

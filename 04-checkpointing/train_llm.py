@@ -1,13 +1,11 @@
 """Chapter 04: chapter 03 plus checkpoints: exact resume, atomic saves, restarts.
 
-Every --ckpt-freq steps (at the end, and when stopped by Ctrl-C or SIGTERM) the whole
-training state is written into a temporary folder, renamed into place and committed by
-repointing `latest`. The same command started again resumes from the newest checkpoint
+Every --ckpt-freq steps, at the end, and on Ctrl-C or SIGTERM, the whole training state
+is saved atomically. The same command started again resumes from the newest checkpoint
 that loads, at the exact data position, with exactly the losses of an uninterrupted run.
 
     torchrun --standalone --nproc-per-node=2 04-checkpointing/train_llm.py --experiment-name run1
-    torchrun --standalone --nproc-per-node=2 --max-restarts=3 04-checkpointing/train_llm.py \
-        --experiment-name run2 --ckpt-freq 10 --crash-at-step 15     # survives a crash
+    torchrun --standalone --nproc-per-node=2 --max-restarts=3 04-checkpointing/train_llm.py --crash-at-step 15
 """
 
 import itertools
@@ -32,20 +30,19 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 # Runnable from the repo root or from inside this folder, installed or not.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.cli import (base_parser, checkpoint_folder, non_negative_int, positive_int,  # noqa: E402
-                        setup_logging)
+from common.cli import base_parser, checkpoint_folder, non_negative_int, positive_int, setup_logging  # noqa: E402
 from common.data import IGNORE_INDEX, build_datasets, check_enough_samples, dataset_info, prepare  # noqa: E402
-from common.distributed import (DDP_NO_BUFFER_SYNC, destroy_process_group,  # noqa: E402
-                                init_process_group_for_restarts)
+from common.distributed import DDP_NO_BUFFER_SYNC, destroy_process_group, init_process_group_for_restarts  # noqa: E402
 from common.durable import fsync_dir, fsync_write, write_manifest  # noqa: E402
-from common.resume import (ResumableSampler, all_rng_states, checkpoint_candidates,  # noqa: E402
-                           commit_on_rank0, load_newest, prune_checkpoints, set_rng_states)
 from common.masks import build_attention_mask  # noqa: E402
 from common.metrics import environment_info  # noqa: E402
 from common.model import LlamaForCausalLM, describe, flops_per_token, get_config, num_parameters  # noqa: E402
+from common.resume import (ResumableSampler, all_rng_states, checkpoint_candidates, commit_on_rank0,  # noqa: E402
+                           load_newest, prune_checkpoints, run_settings, set_rng_states)
 from common.runfolder import archive_run, claim_run_folder  # noqa: E402
-from common.stopping import StopRequest  # noqa: E402
+from common.stopping import StopRequest, crash_once, run_main  # noqa: E402
 from common.tracker import Tracker  # noqa: E402
+from common.training import build_optimizer, evaluate, lr_lambda, sample  # noqa: E402
 
 CHAPTER = "04-checkpointing"
 
@@ -60,12 +57,10 @@ def parse_args(argv=None):
                         help="save a checkpoint every N steps (and always at the end); 0 = only at the end")
     parser.add_argument("--keep-last", type=positive_int, default=2, help="checkpoints to keep")
     parser.add_argument("--sharded", action="store_true",
-                        help="save model and optimizer with torch.distributed.checkpoint, each "
-                             "rank writing its part (into storage every rank can reach)")
+                        help="save with torch.distributed.checkpoint: each rank writes its part")
     start = parser.add_mutually_exclusive_group()
     start.add_argument("--fresh", action="store_true",
-                       help="start at step 0; the folder's earlier files move into an archive-* "
-                            "folder (once per job, not at every restart)")
+                       help="start at step 0; earlier files move to an archive-* folder, once per job")
     start.add_argument("--resume-from", type=checkpoint_folder, default=None,
                        help="resume from this checkpoint folder instead of the latest")
     parser.add_argument("--crash-at-step", type=positive_int, default=None,
@@ -73,14 +68,56 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def lr_lambda(warmup_steps: int, total_steps: int, min_ratio: float = 0.1):
-    """Linear warmup to the peak, then cosine decay to min_ratio × peak at the last step."""
-    def f(step):
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return f
+def setup(args):
+    """The process group (one process per device), this process's device, the dtype the
+    math runs in, and the seeds. torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR
+    and MASTER_PORT; plain `python` sets none of them: world size 1, no process group."""
+    use_cuda = torch.cuda.is_available() and args.device != "cpu"
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)  # else every process would use GPU 0
+    if "RANK" in os.environ:
+        init_process_group_for_restarts(  # dist.init_process_group, on a store per restart
+            "nccl" if use_cuda else "gloo",  # nccl for GPUs, gloo for CPUs
+            timeout=timedelta(seconds=args.timeout), device_id=device if use_cuda else None)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls on tensor cores
+        torch.backends.cudnn.allow_tf32 = True
+    dtype = args.dtype if args.dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
+    # bf16 autocast: matmuls in bf16, weights and optimizer state stay fp32
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bf16" else nullcontext()
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)  # same seed on every rank: same initial weights
+    return device, dtype, autocast
+
+
+def load_data(args, device, rank, world_size):
+    """The corpus, tokenized once (cached), and this rank's training and validation loaders."""
+    def build():
+        data = build_datasets(args.dataset_name, args.seq_length, packed=not args.padded,
+                              vocab_size=args.vocab_size, tokenizer_path=args.tokenizer,
+                              subset=args.dataset_subset, text_column=args.text_column,
+                              cache_dir=args.cache_dir)
+        check_enough_samples(data.train, args.batch_size * world_size * args.grad_accum)
+        return data
+    # Local rank 0 of each machine builds the caches first, then the other ranks read
+    # them; a data problem on any rank stops every rank here, with one line.
+    data = prepare(build)
+    # Each rank takes every world_size-th sample of one shared shuffle (seed + epoch),
+    # so the ranks' batches together form exactly chapter 01's batch of world_size × B.
+    # drop_last: no rank repeats samples to even out the split (the default pads so).
+    sampler = DistributedSampler(data.train, num_replicas=world_size, rank=rank,
+                                 shuffle=True, seed=args.seed, drop_last=True)
+    sampler = ResumableSampler(sampler)  # the same order, but able to start mid-epoch
+    loader = DataLoader(data.train, batch_size=args.batch_size, sampler=sampler,
+                        drop_last=True,  # every step sees a full batch
+                        num_workers=args.num_workers, pin_memory=device.type == "cuda",
+                        generator=torch.Generator().manual_seed(args.seed))  # not the global RNG
+    # Validation is split too: rank r evaluates samples r, r + world_size, ...
+    val_sampler = DistributedSampler(data.val, num_replicas=world_size, rank=rank, shuffle=False)
+    val_loader = DataLoader(data.val, batch_size=args.batch_size, sampler=val_sampler, num_workers=0)
+    return data, sampler, loader, val_loader
 
 
 def compute_loss(model, x, y, attn_mask):
@@ -89,40 +126,14 @@ def compute_loss(model, x, y, attn_mask):
     return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), ignore_index=IGNORE_INDEX)
 
 
-@torch.no_grad()
-def evaluate(model, loader, device, autocast, max_batches, pad_id, padded):
-    """The mean loss per target token over at most max_batches batches, and how many
-    batches that was (a small validation set may hold fewer)."""
-    model.eval()
-    total, count, batches = 0.0, 0, 0
-    for x, y in itertools.islice(loader, max_batches):
-        x, y = x.to(device), y.to(device)
-        mask = build_attention_mask(x, pad_id) if padded else None
-        with autocast:
-            loss = compute_loss(model, x, y, mask)
-        n = int((y != IGNORE_INDEX).sum())
-        total, count, batches = total + loss.item() * n, count + n, batches + 1
-    if dist.is_initialized():  # every rank evaluated its own shard: add them up
-        sums = torch.tensor([total, count, batches], dtype=torch.float64, device=device)
-        dist.all_reduce(sums)
-        total, count, batches = sums[0].item(), int(sums[1].item()), int(sums[2].item())
-    model.train()
-    return (total / count if count else None), batches
-
-
 # ---- checkpoints -----------------------------------------------------------------------
 FORMAT_VERSION = 2
-# Flags that change what training computes. A checkpoint resumes only a run started with
-# the same ones (and the same corpus and tokenizer): anything else would silently train
-# something different.
-MUST_MATCH = ("dataset_name", "dataset_subset", "text_column", "tokenizer", "vocab_size",
-              "padded", "model_preset", "seq_length", "lr", "weight_decay", "warmup_steps",
-              "num_epochs", "max_steps", "seed")
 
 
 def save_checkpoint(ckpt_dir: Path, state: dict, model, optimizer, *, sharded, keep_last, rank):
-    """Write into .tmp-step-N, rename it to step-N, then repoint `latest`: the commit. A
-    kill at any moment leaves the previous checkpoint and pointer untouched."""
+    """Write into .tmp-step-N, rename it to step-N, then repoint `latest`: the commit. A kill
+    at any moment leaves the previous checkpoint and pointer untouched. (folder, seconds)"""
+    t0 = time.perf_counter()
     tmp, final = ckpt_dir / f".tmp-step-{state['step']:08d}", ckpt_dir / f"step-{state['step']:08d}"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # debris of an earlier kill
@@ -130,8 +141,8 @@ def save_checkpoint(ckpt_dir: Path, state: dict, model, optimizer, *, sharded, k
     if dist.is_initialized():
         dist.barrier()  # the folder exists before anyone writes into it
     if sharded:
-        # Each rank writes its part; replicated DDP tensors are written once, spread
-        # over the ranks. (The folder must be on storage every rank can reach.)
+        # Each rank writes its part (replicated tensors once, spread over the ranks), into
+        # storage every rank can reach.
         model_sd, optim_sd = get_state_dict(model, optimizer)
         dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp / "sharded")
     else:
@@ -148,7 +159,7 @@ def save_checkpoint(ckpt_dir: Path, state: dict, model, optimizer, *, sharded, k
         fsync_dir(ckpt_dir)  # makes the renames durable
         prune_checkpoints(ckpt_dir, final, keep_last)
     commit_on_rank0(commit, rank, tmp)  # an error (a full disk) stops every rank
-    return final
+    return final, time.perf_counter() - t0
 
 
 def read_checkpoint(path: Path) -> dict:
@@ -168,68 +179,39 @@ def load_checkpoint(state: dict, path: Path, model, optimizer):
         optimizer.load_state_dict(state["optimizer"])
 
 
-def main():
-    # ---- arguments and environment -------------------------------------------------
-    args = parse_args()
+def resume(args, ckpt_dir, model, optimizer, scheduler, device, rank, settings, log):
+    """Restore the newest checkpoint that loads; return (step, epoch, steps done in it)."""
+    candidates = ([] if args.fresh else [Path(args.resume_from)] if args.resume_from
+                  else checkpoint_candidates(ckpt_dir))  # rank 0's list counts: its disk
+    state, path = load_newest(candidates, read_checkpoint, load_checkpoint, model, optimizer,
+                              rank=rank, settings=settings, log=log)
+    if state is None:
+        return 0, 0, 0
+    # the same global batch, so batch k is the same samples whatever the world size
+    scheduler.load_state_dict(state["scheduler"])
+    set_rng_states(state["rng"][rank % len(state["rng"])], device)
+    log.info("resumed from %s: step %d, epoch %d, %d steps into it", path, state["step"],
+             state["epoch"], state["step_in_epoch"])
+    return state["step"], state["epoch"], state["step_in_epoch"]
 
-    # ---- process group: one process per device, started by torchrun ----------------
-    # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT. Plain
-    # `python` sets none of them: world size 1, no process group needed.
-    distributed = "RANK" in os.environ
-    use_cuda = torch.cuda.is_available() and args.device != "cpu"
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if distributed:
-        backend = "nccl" if use_cuda else "gloo"  # nccl for GPUs, gloo for CPUs
-        if use_cuda:
-            torch.cuda.set_device(local_rank)  # else every process would use GPU 0
-        # as dist.init_process_group, on a store kept apart for each torchrun restart
-        init_process_group_for_restarts(backend, timedelta(seconds=args.timeout),
-                                        device_id=torch.device("cuda", local_rank) if use_cuda else None)
-        rank, world_size = dist.get_rank(), dist.get_world_size()
-    else:
-        backend, rank, world_size = None, 0, 1
+
+def main():
+    # ---- arguments, device, environment --------------------------------------------
+    args = parse_args()
+    device, dtype, autocast = setup(args)
+    distributed = dist.is_initialized()
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     log = setup_logging(rank)  # rank 0 informs; other ranks speak only on trouble
     log.info("environment: %s", json.dumps(environment_info()))
     log.info("arguments: %s", json.dumps(vars(args)))
-
-    # ---- device, dtype, seed -------------------------------------------------------
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls on tensor cores
-        torch.backends.cudnn.allow_tf32 = True
-    dtype = args.dtype if args.dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
-    # bf16 autocast: matmuls in bf16, weights and optimizer state stay fp32
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bf16" else nullcontext()
-    random.seed(args.seed)
-    torch.manual_seed(args.seed)  # same seed on every rank: same initial weights
-    log.info("rank %d of %d, local rank %d, device %s, backend %s, dtype %s, seed %d",
-             rank, world_size, local_rank, device, backend, dtype, args.seed)
+    log.info("rank %d of %d, device %s, backend %s, dtype %s, seed %d", rank, world_size,
+             device, dist.get_backend() if distributed else None, dtype, args.seed)
 
     # ---- data ----------------------------------------------------------------------
-    def load_data():
-        data = build_datasets(args.dataset_name, args.seq_length, packed=not args.padded,
-                              vocab_size=args.vocab_size, tokenizer_path=args.tokenizer,
-                              subset=args.dataset_subset, text_column=args.text_column,
-                              cache_dir=args.cache_dir)
-        check_enough_samples(data.train, args.batch_size * world_size * args.grad_accum)
-        return data
-    # Local rank 0 of each machine trains the tokenizer and tokenizes first; the other
-    # ranks then read its cache. An error on any rank stops every rank with its message.
-    data = prepare(load_data)
+    data, sampler, loader, val_loader = load_data(args, device, rank, world_size)
     log.info("data: %s", json.dumps(dataset_info(data)))
-    # Each rank takes every world_size-th sample of one shared shuffle (seed + epoch),
-    # so the ranks' batches together form exactly chapter 01's batch of world_size × B.
-    # drop_last: no rank repeats samples to even out the split (the default pads so).
-    sampler = ResumableSampler(DistributedSampler(data.train, num_replicas=world_size, rank=rank,
-                                                  shuffle=True, seed=args.seed, drop_last=True))
-    loader = DataLoader(data.train, batch_size=args.batch_size, sampler=sampler,
-                        drop_last=True,  # every step sees a full batch
-                        num_workers=args.num_workers, pin_memory=device.type == "cuda")
-    # Validation is split too: rank r evaluates samples r, r + world_size, ...
-    val_sampler = DistributedSampler(data.val, num_replicas=world_size, rank=rank, shuffle=False)
-    val_loader = DataLoader(data.val, batch_size=args.batch_size, sampler=val_sampler, num_workers=0)
 
-    # ---- model ---------------------------------------------------------------------
+    # ---- model, optimizer and schedule ---------------------------------------------
     config = get_config(args.model_preset, data.vocab_size)
     model = LlamaForCausalLM(config).to(device)
     n_params = num_parameters(model)
@@ -239,18 +221,9 @@ def main():
     if distributed:
         # DDP broadcasts rank 0's weights to every rank, then registers hooks that
         # all-reduce gradients bucket by bucket while backward is still running.
-        model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None,
+        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                     **DDP_NO_BUFFER_SYNC)
-
-    # ---- optimizer and schedule ----------------------------------------------------
-    # No weight decay on norm weights (1-D); fused AdamW does the update in a few
-    # kernels instead of several per parameter on CUDA.
-    decay = [p for p in raw_model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in raw_model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": args.weight_decay},
-         {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+    optimizer = build_optimizer(raw_model, args.lr, args.weight_decay, device)
     steps_per_epoch = len(loader) // args.grad_accum
     # --max-steps wins, with as many epochs as it takes; 0 = --num-epochs whole epochs
     total_steps = args.max_steps or args.num_epochs * steps_per_epoch
@@ -261,32 +234,21 @@ def main():
              "%d tokens per step", total_steps, total_steps / steps_per_epoch, steps_per_epoch,
              global_batch, args.batch_size, world_size, args.grad_accum, tokens_per_step)
 
-    # ---- the run folder: ours alone (a lock), and --fresh archives, never deletes ----
+    # ---- outputs (created only now: bad input above leaves nothing behind) ---------
     run_dir = claim_run_folder(Path(args.save_dir) / args.experiment_name, rank=rank, resumes=True)
-    ckpt_dir = run_dir / "checkpoints"
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    ckpt_dir, restart = run_dir / "checkpoints", int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     if args.fresh and restart == 0 and rank == 0:  # once per job, not at every restart
-        log.info("--fresh: the earlier files are in %s", archive_run(run_dir))
+        log.info("--fresh: earlier files moved to %s", archive_run(run_dir))  # never deleted
 
-    # ---- resume: the newest checkpoint that loads (rank 0 lists them) ---------------
-    settings = {**{k: getattr(args, k) for k in MUST_MATCH}, "global batch": global_batch,
-                "data fingerprint": data.fingerprint}
-    candidates = ([] if args.fresh else [Path(args.resume_from)] if args.resume_from
-                  else checkpoint_candidates(ckpt_dir))
-    state, path = load_newest(candidates, read_checkpoint, load_checkpoint, raw_model, optimizer,
-                              rank=rank, settings=settings, log=log)
-    start_step, start_epoch, start_in_epoch = 0, 0, 0
-    if state:  # same global batch, so batch k is the same samples whatever the world size
-        scheduler.load_state_dict(state["scheduler"])
-        set_rng_states(state["rng"][rank % len(state["rng"])], device)
-        start_step, start_epoch, start_in_epoch = state["step"], state["epoch"], state["step_in_epoch"]
-        log.info("resumed from %s: step %d, epoch %d, %d steps into it", path, start_step,
-                 start_epoch, start_in_epoch)
+    # ---- resume: the newest checkpoint of this same run that loads ------------------
+    # a checkpoint resumes only a run with the same flags, global batch, corpus, tokenizer
+    settings = run_settings(args, global_batch, data.fingerprint)
+    start_step, start_epoch, start_in_epoch = resume(args, ckpt_dir, raw_model, optimizer,
+                                                     scheduler, device, rank, settings, log)
     if start_step >= total_steps:
         log.info("this run already finished (step %d of %d); nothing to do", start_step, total_steps)
         del model  # as at the end of main(): free DDP before its process group
         return destroy_process_group()
-
     # timing, progress bar, metrics.jsonl, summary.json and the final table (rank 0)
     tracker = Tracker(CHAPTER, run_dir, device, total_steps, tokens_per_step, log, rank=rank,
                       start_step=start_step)
@@ -345,33 +307,21 @@ def main():
 
             stopped = stop.agreed()  # every rank asks after every step: all stop together
             if step == total_steps or stopped or (args.ckpt_freq and step % args.ckpt_freq == 0):
-                t0 = time.perf_counter()
-                finished_epoch = in_epoch + 1 == steps_per_epoch
-                saved = {"format_version": FORMAT_VERSION, "step": step,
-                         # where the next step starts: epoch and steps done inside it
-                         "epoch": epoch + 1 if finished_epoch else epoch,
-                         "step_in_epoch": 0 if finished_epoch else in_epoch + 1,
+                state = {"format_version": FORMAT_VERSION, "step": step,  # and where it was:
+                         "epoch": epoch, "step_in_epoch": in_epoch + 1,  # steps done in the epoch
                          "scheduler": scheduler.state_dict(), "world_size": world_size,
                          "sharded": args.sharded, "settings": settings,
-                         "rng": all_rng_states(device)}  # every rank's generators: they differ
-                path = save_checkpoint(ckpt_dir, saved, raw_model, optimizer, sharded=args.sharded,
-                                       keep_last=args.keep_last, rank=rank)
-                tracker.saved(path, time.perf_counter() - t0)
+                         "rng": all_rng_states(device)}  # every rank's: they differ
+                path = tracker.saved(save_checkpoint(ckpt_dir, state, raw_model, optimizer,
+                                                     sharded=args.sharded, keep_last=args.keep_last, rank=rank))
             if stopped:
                 break
-            if step == args.crash_at_step and rank == world_size - 1:
-                marker = run_dir / f"crash-injected-at-step-{step}"
-                if not marker.exists():  # once: a restarted or resumed run goes on
-                    marker.touch()
-                    raise RuntimeError(f"injected crash after step {step} (--crash-at-step) "
-                                       f"on rank {rank}")
+            crash_once(run_dir, step, args.crash_at_step, rank == world_size - 1)  # fault injection
     tracker.close()
     if stopped:  # the checkpoint holds everything: the same command continues from it
-        log.warning("interrupted at step %d (%s); checkpoint %s saved; run the same command "
-                    "to resume", step, stopped, path.name)
-        del model
-        destroy_process_group()
-        sys.exit(130 if stopped == "SIGINT" else 143)
+        del model  # as at the end of main(): free DDP before its process group
+        stop.leave(f"interrupted at step {step} ({stopped}); checkpoint {path.name} saved; "
+                   f"run the same command to resume")
 
     # ---- validation, sample, weights, summary --------------------------------------
     # Every rank evaluates its share of the validation batches on the bare module (a DDP
@@ -380,23 +330,16 @@ def main():
                                      math.ceil(args.val_batches / world_size), data.pad_id, args.padded)
     log.info("validation loss %s over %d batches",
              f"{val_loss:.4f}" if val_loss is not None else "n/a", val_batches)
-    prompt = ([data.bot_id] if args.padded else []) + data.tokenizer.encode("def ").ids
-    raw_model.eval()
-    with autocast:
-        out = raw_model.generate(torch.tensor([prompt], device=device), max_new_tokens=48,
-                             generator=torch.Generator(device).manual_seed(args.seed),
-                             eos_id=data.eot_id)
-    log.info("sample:\n%s", data.tokenizer.decode(out[0].tolist()))
-
+    log.info("sample:\n%s", sample(raw_model, data, device, autocast, args.seed, args.padded))
     if rank == 0:  # one writer; the bare module's weights load into a plain model
         torch.save(raw_model.state_dict(), run_dir / "model.pt")
     tracker.finish(args=args, world_size=world_size, dtype=dtype, num_params=n_params,
                    flops_per_token=flops_per_token(config, n_params, args.seq_length),
-                   final_loss=loss_sum.item(), val_loss=val_loss,
-                   num_devices=world_size, backend=backend,
+                   final_loss=loss_sum.item(), val_loss=val_loss, num_devices=world_size,
+                   backend=dist.get_backend() if distributed else None,
                    extra={"global_batch_size": global_batch, "grad_accum": args.grad_accum,
-                          "data": dataset_info(data), "resumed_from": state and str(path),
-                          "restart_count": restart})
+                          "data": dataset_info(data), "restart_count": restart,
+                          "resumed_at_step": start_step})
     if distributed:
         dist.barrier()  # nobody leaves while rank 0 may still need the group
         del model  # DDP's reducer holds the group: free it first
@@ -404,4 +347,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -8,6 +8,7 @@
 - `load_newest`: try checkpoints newest first until one loads on every rank; rank 0
   decides the list, checks checksums and settings, and sends what it read to the others.
 - `prune_checkpoints`: keep the newest few; move abandoned ones out of the resume path.
+- `run_settings` / `settings_changes`: what defines a run, and what differs.
 """
 
 from __future__ import annotations
@@ -102,6 +103,18 @@ def prune_checkpoints(ckpt_dir: Path, newest: Path, keep_last: int):
         (ckpt_dir / "abandoned").mkdir(exist_ok=True)
         shutil.rmtree(ckpt_dir / "abandoned" / future.name, ignore_errors=True)
         os.rename(future, ckpt_dir / "abandoned" / future.name)
+
+
+# The flags that change what a run trains (and so what its checkpoints can continue).
+RUN_DEFINING_FLAGS = ("dataset_name", "dataset_subset", "text_column", "tokenizer", "vocab_size",
+                      "padded", "model_preset", "seq_length", "lr", "weight_decay",
+                      "warmup_steps", "num_epochs", "max_steps", "seed")
+
+
+def run_settings(args, global_batch: int, data_fingerprint: str) -> dict:
+    """What a checkpoint records and a resume compares (see `settings_changes`)."""
+    return {**{k: getattr(args, k) for k in RUN_DEFINING_FLAGS}, "global batch": global_batch,
+            "data fingerprint": data_fingerprint}
 
 
 def settings_changes(saved: dict, now: dict) -> list[str]:

@@ -4,6 +4,7 @@
   from every rank.
 - `exit_with_launcher()`: under torchrun, ask the kernel to send us SIGTERM when our
   launcher (torchrun's agent, our parent) dies, so no worker trains on as an orphan.
+- `crash_once`: chapter 04's fault injection.
 - `StopRequest`: chapter 04's handlers for SIGINT/SIGTERM that only take note; the
   training loop asks `agreed()` after every step, and all ranks stop at the same step.
 """
@@ -11,9 +12,11 @@
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import signal
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -59,6 +62,15 @@ class StopRequest:
     def _note(self, signum, frame):
         self.signal = self.signal or signal.Signals(signum).name
 
+    def leave(self, message: str):
+        """After the checkpoint: one line (rank 0), leave the group, exit 128 + signal."""
+        if int(os.environ.get("RANK") or 0) == 0:
+            print(f"\n{message}", file=sys.stderr, flush=True)
+        if dist.is_initialized():
+            gc.collect()
+            dist.destroy_process_group()
+        sys.exit(128 + getattr(signal.Signals, self.signal or "SIGTERM"))
+
     def agreed(self) -> str | None:
         """The signal's name once any rank got one, on every rank at the same step (a
         collective when distributed), else None."""
@@ -67,3 +79,12 @@ class StopRequest:
         flag = torch.tensor([self.signal is not None], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return (self.signal or "a signal to another rank") if flag.item() else None
+
+
+def crash_once(run_dir, step: int, crash_at_step: int | None, this_rank: bool):
+    """Fault injection (--crash-at-step): `this_rank` raises after step `crash_at_step`,
+    once per run folder (a marker file remembers it), so a restarted run goes on."""
+    marker = Path(run_dir) / f"crash-injected-at-step-{step}"
+    if step == crash_at_step and this_rank and not marker.exists():
+        marker.touch()
+        raise RuntimeError(f"injected crash after step {step} (--crash-at-step)")

@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from .durable import dir_size_mb
 from .metrics import (MetricsWriter, PhaseTimer, StepStats, build_summary, find_baseline,
                       read_metrics, throughput_table, write_json, write_jsonl)
 
@@ -36,6 +37,7 @@ class Tracker:
                                    if isinstance(r.get("step"), int) and r["step"] <= start_step])
             self.writer = MetricsWriter(path, append=start_step > 0)
         self.window_tokens, self.window_time = 0, 0.0
+        self.saves = []  # (MB, seconds) of each checkpoint saved
         self.t_start = time.perf_counter()
         # Log lines go through tqdm.write while the bar is shown, so neither garbles the other.
         self._redirect = logging_redirect_tqdm([log]) if rank == 0 else None
@@ -71,6 +73,14 @@ class Tracker:
                           record["loss"], record["lr"], record["tokens_per_s"])
         self.window_tokens, self.window_time = 0, 0.0
 
+    def saved(self, checkpoint) -> Path:
+        """Note a checkpoint save: (folder, seconds). Returns the folder."""
+        path, seconds = checkpoint
+        if self.rank == 0:
+            self.saves.append((dir_size_mb(path), seconds))
+            self.logger.info("checkpoint %s: %.1f MB in %.2f s", path, *self.saves[-1])
+        return path
+
     def close(self):
         """End of training: the bar goes, log lines print plainly again."""
         self.bar.close()
@@ -95,6 +105,10 @@ class Tracker:
                 and summary["world_size"] == 1:  # one process, several GPUs (DataParallel)
             summary["peak_memory_per_device_mb"] = [torch.cuda.max_memory_allocated(i) / 2**20
                                                     for i in range(torch.cuda.device_count())]
+        if self.saves:
+            size_mb, save_s = self.saves[-1][0], sum(t for _, t in self.saves) / len(self.saves)
+            summary["checkpoint"] = {"count": len(self.saves), "size_mb": size_mb, "save_s": save_s,
+                                     "save_mb_per_s": size_mb / save_s}
         if hasattr(args, "baseline"):
             # tokens/s per process here over chapter 01's tokens/s with the same
             # per-process batch (1.0 = perfect linear scaling)

@@ -1,0 +1,77 @@
+"""The parts of a training run every chapter shares unchanged (chapter 01's README walks
+through each): the optimizer, the learning-rate schedule, validation and a text sample.
+
+- `build_optimizer`: AdamW, no weight decay on norm weights, fused on CUDA.
+- `lr_lambda`: linear warmup, then cosine decay, for `LambdaLR`.
+- `evaluate`: the mean validation loss per token; under torchrun each rank evaluates its
+  own shard and the sums are all-reduced.
+- `sample`: a few seeded tokens the model writes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .data import IGNORE_INDEX
+from .masks import build_attention_mask
+
+
+def build_optimizer(model, lr: float, weight_decay: float, device) -> torch.optim.AdamW:
+    """AdamW with betas (0.9, 0.95); the 1-D norm weights get no weight decay. Fused
+    AdamW does the whole update in a few kernels instead of several per parameter
+    (CUDA only; elsewhere the default implementation)."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.95), fused=torch.device(device).type == "cuda")
+
+
+def lr_lambda(warmup_steps: int, total_steps: int, min_ratio: float = 0.1):
+    """Linear warmup to the peak, then cosine decay to min_ratio × peak at the last step."""
+    def f(step):
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return f
+
+
+@torch.no_grad()
+def evaluate(model, loader, device, autocast, max_batches: int, pad_id: int, padded: bool):
+    """(mean loss per target token, batches evaluated) over at most max_batches of the
+    loader's batches (a small validation set may hold fewer). Under a process group every
+    rank evaluates its own loader and the token-weighted sums are added up (a collective)."""
+    model.eval()
+    total, count, batches = 0.0, 0, 0
+    for x, y in itertools.islice(loader, max_batches):
+        x, y = x.to(device), y.to(device)
+        mask = build_attention_mask(x, pad_id) if padded else None
+        with autocast:
+            logits = model(x, mask)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), ignore_index=IGNORE_INDEX)
+        n = int((y != IGNORE_INDEX).sum())
+        total, count, batches = total + loss.item() * n, count + n, batches + 1
+    if dist.is_initialized():
+        sums = torch.tensor([total, count, batches], dtype=torch.float64, device=device)
+        dist.all_reduce(sums)
+        total, count, batches = sums[0].item(), int(sums[1].item()), int(sums[2].item())
+    model.train()
+    return (total / count if count else None), batches
+
+
+@torch.no_grad()
+def sample(model, data, device, autocast, seed: int, padded: bool, prompt: str = "def ",
+           max_new_tokens: int = 48) -> str:
+    """What the model writes after `prompt` (seeded: the same text in every run)."""
+    ids = ([data.bot_id] if padded else []) + data.tokenizer.encode(prompt).ids
+    model.eval()
+    with autocast:
+        out = model.generate(torch.tensor([ids], device=device), max_new_tokens=max_new_tokens,
+                             generator=torch.Generator(device).manual_seed(seed), eos_id=data.eot_id)
+    return data.tokenizer.decode(out[0].tolist())
