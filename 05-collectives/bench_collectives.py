@@ -25,7 +25,6 @@ import argparse
 import os
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -33,8 +32,11 @@ import torch.distributed as dist
 
 # Runnable from the repo root or from inside this folder, installed or not.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.cli import DEFAULT_SAVE_DIR, Parser, UsageError, check_run_folder, fail  # noqa: E402
+from common.cli import (UsageError, comma_list, non_negative_int, one_of, positive_int,  # noqa: E402
+                        script_parser)
+from common.distributed import destroy_process_group, start_demo  # noqa: E402
 from common.metrics import device_name, environment_info, markdown_table, write_json  # noqa: E402
+from common.runfolder import claim_run_folder  # noqa: E402
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
@@ -61,55 +63,47 @@ def bus_factor(op: str, world_size: int) -> float:
     raise ValueError(f"unknown collective {op!r}")
 
 
-def parse_args(argv=None):
-    p = Parser(formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-               description="Time collectives over a sweep of message sizes; report time, "
-                           "algbw and busbw (nccl-tests conventions). Launch with torchrun.")
-    p.add_argument("--min-bytes", type=int, default=1024, help="smallest message (power of 2)")
-    p.add_argument("--max-bytes", type=int, default=64 * 2**20, help="largest message (power of 2)")
-    p.add_argument("--ops", default=",".join(OPS), help=f"comma list of: {', '.join(OPS)}")
-    p.add_argument("--iters", type=int, default=20, help="timed calls per size")
-    p.add_argument("--warmup", type=int, default=5, help="untimed calls per size, before timing")
-    p.add_argument("--dtype", default="fp32", help=f"one of: {', '.join(DTYPES)}")
-    p.add_argument("--timeout", type=float, default=600,
-                   help="seconds a collective may wait for the other ranks before failing")
-    p.add_argument("--save-dir", default=str(DEFAULT_SAVE_DIR), help="parent of the run folder")
-    p.add_argument("--experiment-name", default=None,
-                   help="run folder name (default: 05-bench-<timestamp>)")
-    args = p.parse_args(argv)
+def power_of_two(text: str) -> int:
+    value = positive_int(text)
+    if value & (value - 1):
+        raise argparse.ArgumentTypeError(f"must be a power of 2 (got {text})")
+    return value
 
-    # Everything is checked before init_process_group: bad input stops at once, with
-    # one line, and leaves nothing on disk.
-    args.ops = [o.strip() for o in args.ops.split(",") if o.strip()]
-    unknown = [o for o in args.ops if o not in OPS]
-    if unknown or not args.ops:
-        fail(f"unknown --ops {','.join(unknown) or '(empty)'}; choose from {', '.join(OPS)}")
-    if args.dtype not in DTYPES:
-        fail(f"unknown --dtype {args.dtype!r}; choose one of {', '.join(DTYPES)}")
-    for name in ("min_bytes", "max_bytes"):
-        v = getattr(args, name)
-        if v < 1 or v & (v - 1):
-            fail(f"--{name.replace('_', '-')} must be a positive power of 2 (got {v})")
-    if args.max_bytes > 2**34:
-        fail(f"--max-bytes {args.max_bytes} is above 16 GiB; buffers of that size will not fit")
-    if args.min_bytes > args.max_bytes:
-        fail(f"--min-bytes {args.min_bytes} is larger than --max-bytes {args.max_bytes}")
-    if args.iters < 1:
-        fail(f"--iters must be at least 1 (got {args.iters})")
-    if args.warmup < 0:
-        fail(f"--warmup must not be negative (got {args.warmup})")
-    if not args.timeout > 0:
-        fail(f"--timeout must be positive (got {args.timeout})")
+
+def parse_args(argv=None):
+    # Everything is checked before init_process_group: bad input stops at once, with one
+    # line, and leaves nothing on disk.
+    p = script_parser("05-bench", "Time collectives over a sweep of message sizes; report "
+                      "time, algbw and busbw (nccl-tests conventions). Launch with torchrun.")
+    p.add_argument("--min-bytes", type=power_of_two, default=1024, help="smallest message (a power of 2)")
+    p.add_argument("--max-bytes", type=power_of_two, default=64 * 2**20, help="largest message (a power of 2)")
+    p.add_argument("--ops", default=",".join(OPS), type=comma_list(*OPS), help="comma list of collectives")
+    p.add_argument("--iters", type=positive_int, default=20, help="timed calls per size")
+    p.add_argument("--warmup", type=non_negative_int, default=5, help="untimed calls per size, before timing")
+    p.add_argument("--dtype", default="fp32", type=one_of(*DTYPES), help="element type")
+
+    def check_sizes(args):
+        if args.min_bytes > args.max_bytes:
+            raise UsageError(f"--min-bytes {args.min_bytes} is larger than --max-bytes {args.max_bytes}")
+        # all_gather and reduce_scatter hold the whole array plus one part on every rank
+        world, avail = int(os.environ.get("WORLD_SIZE", 1)), available_memory()
+        need = 2 * args.max_bytes * world  # every rank of this machine, at the largest size
+        if avail is not None and need > avail:
+            raise UsageError(f"--max-bytes {args.max_bytes}: the largest buffers need about "
+                             f"{need / 2**30:.1f} GiB on this machine and {avail / 2**30:.1f} GiB "
+                             f"are available; lower --max-bytes")
+    p.checks.append(check_sizes)
+    return p.parse_args(argv)
+
+
+def available_memory() -> int | None:
+    """Bytes the buffers may use: free GPU memory, else the machine's available RAM."""
+    if torch.cuda.is_available():
+        return torch.cuda.mem_get_info()[0] * torch.cuda.device_count()
     try:
-        check_run_folder(args, "05-bench")
-    except UsageError as e:
-        fail(str(e))
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        fail("launch with torchrun, e.g. torchrun --standalone --nproc-per-node=2 "
-             "05-collectives/bench_collectives.py")
-    if int(os.environ["WORLD_SIZE"]) < 2:
-        fail("a collective benchmark needs at least 2 processes (--nproc-per-node=2 or more)")
-    return args
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def make_call(op, nbytes, dtype, world, device):
@@ -218,86 +212,68 @@ def plot(rows, path, title):
 
 def main():
     args = parse_args()
+    group = start_demo(args.timeout)  # one process per device: nccl on GPUs, gloo on CPUs
+    rank, world, device, backend = group.rank, group.world, group.device, group.backend
+    # The run folder first: results are never lost to a folder that cannot be written.
+    run_dir = claim_run_folder(Path(args.save_dir) / args.experiment_name, rank=rank)
+    dtype = DTYPES[args.dtype]
+    sizes = [args.min_bytes << i for i in range((args.max_bytes // args.min_bytes).bit_length())]
+    machine = device_name(device)
+    if rank == 0:
+        print(f"{world} ranks, backend {backend}, {machine}, dtype {args.dtype}, "
+              f"{len(sizes)} sizes {fmt_bytes(sizes[0])} .. {fmt_bytes(sizes[-1])}, "
+              f"{args.iters} timed calls after {args.warmup} warm-up", flush=True)
 
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)  # else every process would use GPU 0
-        backend, device = "nccl", torch.device("cuda", local_rank)
-    else:
-        backend, device = "gloo", torch.device("cpu")
-    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
-    try:
-        rank, world = dist.get_rank(), dist.get_world_size()
-        dtype = DTYPES[args.dtype]
-        sizes = []
-        s = args.min_bytes
-        while s <= args.max_bytes:
-            sizes.append(s)
-            s *= 2
-        machine = device_name(device)
-        if rank == 0:
-            print(f"{world} ranks, backend {backend}, {machine}, dtype {args.dtype}, "
-                  f"{len(sizes)} sizes {fmt_bytes(sizes[0])} .. {fmt_bytes(sizes[-1])}, "
-                  f"{args.iters} timed calls after {args.warmup} warm-up", flush=True)
+    rows, notes = [], []
+    for op in args.ops:
+        why = supported(op, dtype, world, device)
+        if why:
+            # Skipped, not emulated: an emulation would time a different algorithm.
+            notes.append(f"{op}: skipped, {backend} cannot run it with {args.dtype} ({why})")
+            if rank == 0:
+                print(f"note: {notes[-1]}", flush=True)
+            continue
+        factor = bus_factor(op, world)
+        for nbytes in sizes:
+            call, counted = make_call(op, nbytes, dtype, world, device)
+            t = time_call(call, args.iters, args.warmup, device)
+            # A collective is done when the slowest rank is done: report the max.
+            # (nccl-tests defaults to the mean over ranks; on large messages the two
+            # hardly differ.)
+            t_max = torch.tensor([t], dtype=torch.float64, device=device)
+            dist.all_reduce(t_max, op=dist.ReduceOp.MAX)
+            t = t_max.item()
+            algbw = counted / t / 1e9  # GB/s, 1 GB = 1e9 bytes as in nccl-tests
+            rows.append({"op": op, "bytes": counted, "requested_bytes": nbytes,
+                         "count": counted // dtype.itemsize, "dtype": args.dtype,
+                         "time_s": t, "algbw_gbps": algbw, "bus_factor": factor,
+                         "busbw_gbps": algbw * factor})
+            del call  # free this size's buffers before the next, larger one
 
-        rows, notes = [], []
-        for op in args.ops:
-            why = supported(op, dtype, world, device)
-            if why:
-                # Skipped, not emulated: an emulation would time a different algorithm.
-                notes.append(f"{op}: skipped, {backend} cannot run it with {args.dtype} ({why})")
-                if rank == 0:
-                    print(f"note: {notes[-1]}", flush=True)
-                continue
-            factor = bus_factor(op, world)
-            for nbytes in sizes:
-                call, counted = make_call(op, nbytes, dtype, world, device)
-                t = time_call(call, args.iters, args.warmup, device)
-                # A collective is done when the slowest rank is done: report the max.
-                # (nccl-tests defaults to the mean over ranks; on large messages the two
-                # hardly differ.)
-                t_max = torch.tensor([t], dtype=torch.float64, device=device)
-                dist.all_reduce(t_max, op=dist.ReduceOp.MAX)
-                t = t_max.item()
-                algbw = counted / t / 1e9  # GB/s, 1 GB = 1e9 bytes as in nccl-tests
-                rows.append({"op": op, "bytes": counted, "requested_bytes": nbytes,
-                             "count": counted // dtype.itemsize, "dtype": args.dtype,
-                             "time_s": t, "algbw_gbps": algbw, "bus_factor": factor,
-                             "busbw_gbps": algbw * factor})
-                del call  # free this size's buffers before the next, larger one
-
-        if rank == 0:
-            print(f"\n{results_table(rows)}\n", flush=True)
-            for op in dict.fromkeys(r["op"] for r in rows):
-                big = max((r for r in rows if r["op"] == op), key=lambda r: r["bytes"])
-                print(f"{op:>15}: busbw {fmt_gbps(big['busbw_gbps'])} GB/s at {fmt_bytes(big['bytes'])} "
-                      f"(algbw {fmt_gbps(big['algbw_gbps'])} GB/s x factor {big['bus_factor']:.3g})")
-            run_dir = Path(args.save_dir) / args.experiment_name
-            run_dir.mkdir(parents=True, exist_ok=True)  # created only now, by rank 0 only
-            result = {
-                "experiment_name": args.experiment_name,
-                "world_size": world,
-                "backend": backend,
-                "device": device.type,
-                "device_name": machine,
-                "dtype": args.dtype,
-                "iters": args.iters,
-                "warmup": args.warmup,
-                "time_reduction": "max over ranks of the mean time per call",
-                "bus_factors": {op: bus_factor(op, world) for op in args.ops},
-                "notes": notes,
-                "rows": rows,
-                "environment": environment_info(),
-                "torch_version": torch.__version__,
-            }
-            write_json(run_dir / "bench_collectives.json", result)
-            if rows:
-                plot(rows, run_dir / "bench_collectives.png",
-                     f"{backend}, {world} ranks, {machine}, {args.dtype}")
-            print(f"\noutputs in {run_dir}", flush=True)
-        dist.barrier()  # nobody leaves while rank 0 still writes
-    finally:
-        dist.destroy_process_group()
+    if rank == 0:
+        print(f"\n{results_table(rows)}\n", flush=True)
+        for op in dict.fromkeys(r["op"] for r in rows):
+            # the peak, not the largest size: on a shared machine the largest need not be
+            best = max((r for r in rows if r["op"] == op), key=lambda r: r["busbw_gbps"])
+            print(f"{op:>15}: peak busbw {fmt_gbps(best['busbw_gbps'])} GB/s at "
+                  f"{fmt_bytes(best['bytes'])} (algbw {fmt_gbps(best['algbw_gbps'])} GB/s x "
+                  f"factor {best['bus_factor']:.3g})")
+        write_json(run_dir / "bench_collectives.json", {
+            "experiment_name": args.experiment_name, "world_size": world, "backend": backend,
+            "device": device.type, "device_name": machine, "dtype": args.dtype,
+            "iters": args.iters, "warmup": args.warmup,
+            "time_reduction": "max over ranks of the mean time per call",
+            "bus_factors": {op: bus_factor(op, world) for op in args.ops},
+            "peak_busbw_gbps": {op: max(r["busbw_gbps"] for r in rows if r["op"] == op)
+                                for op in dict.fromkeys(r["op"] for r in rows)},
+            "notes": notes, "rows": rows, "environment": environment_info(),
+            "torch_version": torch.__version__})
+        if rows:
+            plot(rows, run_dir / "bench_collectives.png",
+                 f"{backend}, {world} ranks, {machine}, {args.dtype}")
+        print(f"\noutputs in {run_dir}", flush=True)
+    dist.barrier()  # nobody leaves while rank 0 still writes
+    destroy_process_group()
 
 
 if __name__ == "__main__":

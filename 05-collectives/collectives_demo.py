@@ -13,11 +13,8 @@ against the value worked out by hand. Any wrong result makes the script exit non
 after the group's timeout instead of waiting forever.
 """
 
-import argparse
-import os
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -25,36 +22,26 @@ import torch.distributed as dist
 
 # Runnable from the repo root or from inside this folder, installed or not.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.cli import Parser, fail  # noqa: E402
+from common.cli import one_of, script_parser  # noqa: E402
+from common.distributed import destroy_process_group, start_demo  # noqa: E402
 
 OPS = ("all_reduce", "reduce", "broadcast", "all_gather", "gather", "scatter",
        "reduce_scatter", "all_to_all", "barrier")
 
 
 def parse_args(argv=None):
-    p = Parser(formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-               description="Every torch.distributed collective on small tensors, shown rank "
-                           "by rank and checked. Launch with torchrun (2 or more processes).")
-    p.add_argument("--op", default="all", help=f"one of: all, {', '.join(OPS)}")
+    # Checked before any process group exists: bad input costs nothing and leaves nothing.
+    p = script_parser("05-collectives-demo", "Every torch.distributed collective on small "
+                      "tensors, shown rank by rank and checked. Launch with torchrun (2 or "
+                      "more processes).", run_folder=False)
+    p.add_argument("--op", default="all", type=one_of("all", *OPS), help="which collective to show")
     p.add_argument("--emulate", action="store_true",
                    help="build avg, reduce_scatter and all_to_all from other collectives "
                         "even where the backend has them (what to do where it does not)")
     p.add_argument("--timeout-demo", action="store_true",
                    help="one rank skips an all_reduce; the others fail after --timeout")
-    p.add_argument("--timeout", type=float, default=5.0,
-                   help="seconds a collective may wait for the other ranks (process group timeout)")
-    args = p.parse_args(argv)
-    # Checked before any process group exists: bad input costs nothing and leaves nothing.
-    if args.op not in ("all", *OPS):
-        fail(f"unknown --op {args.op!r}; choose one of: all, {', '.join(OPS)}")
-    if not 0 < args.timeout <= 3600:
-        fail(f"--timeout must be in (0, 3600] seconds (got {args.timeout})")
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        fail("launch with torchrun, e.g. torchrun --standalone --nproc-per-node=2 "
-             "05-collectives/collectives_demo.py")
-    if int(os.environ["WORLD_SIZE"]) < 2:
-        fail("a collective needs company: use --nproc-per-node=2 or more")
-    return args
+    p.set_defaults(timeout=5.0)  # short: the timeout demo waits this long
+    return p.parse_args(argv)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -329,45 +316,27 @@ def timeout_demo(rank, world, device, timeout):
 
 def main():
     args = parse_args()
-
-    # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT. nccl moves
-    # GPU memory between GPUs; gloo moves CPU memory over sockets (laptop, CI).
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)  # else every process would use GPU 0
-        backend, device = "nccl", torch.device("cuda", local_rank)
-    else:
-        backend, device = "gloo", torch.device("cpu")
-    # The timeout bounds how long any collective may wait for the others (default
-    # 10 minutes for nccl, 30 for gloo). The timeout demo makes it short.
-    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
-    status = 1
-    try:
-        rank, world = dist.get_rank(), dist.get_world_size()
-        if args.timeout_demo:
-            status = timeout_demo(rank, world, device, args.timeout)
-            return status
-        if rank == 0:
-            print(f"{world} ranks, backend {backend}, device {device.type}; "
-                  f"torch {torch.__version__}", flush=True)
-        demo = Demo(rank, world, device, args.emulate)
-        for op in OPS if args.op == "all" else (args.op,):
-            getattr(demo, op)()
-        if demo.failures:
-            if rank == 0:
-                print("\nFAILED: " + "; ".join(demo.failures), file=sys.stderr, flush=True)
-            status = 1
-        else:
-            if rank == 0:
-                print(f"\nall {len(OPS) if args.op == 'all' else 1} collective(s) gave the "
-                      f"expected result on all {world} ranks", flush=True)
-            status = 0
-        return status
-    finally:
-        # Leave the group on every path, errors included. After a timeout the group is
-        # broken and tearing it down could block; torchrun ends those ranks anyway.
-        if not (args.timeout_demo and status != 0):
-            dist.destroy_process_group()
+    # One process per device: nccl moves GPU memory between GPUs, gloo moves CPU memory
+    # over sockets. The timeout bounds how long any collective may wait for the others.
+    group = start_demo(args.timeout)
+    rank, world, device = group.rank, group.world, group.device
+    if args.timeout_demo:
+        # After a timeout the group is broken and tearing it down could block; torchrun
+        # ends the other ranks anyway.
+        return timeout_demo(rank, world, device, args.timeout)
+    if rank == 0:
+        print(f"{world} ranks, backend {group.backend}, device {device.type}; "
+              f"torch {torch.__version__}", flush=True)
+    demo = Demo(rank, world, device, args.emulate)
+    for op in OPS if args.op == "all" else (args.op,):
+        getattr(demo, op)()
+    if rank == 0 and demo.failures:
+        print("\nFAILED: " + "; ".join(demo.failures), file=sys.stderr, flush=True)
+    elif rank == 0:
+        print(f"\nall {len(OPS) if args.op == 'all' else 1} collective(s) gave the expected "
+              f"result on all {world} ranks", flush=True)
+    destroy_process_group()
+    return 1 if demo.failures else 0
 
 
 if __name__ == "__main__":

@@ -1,144 +1,67 @@
 """Chapter 05, part 3: data parallelism rebuilt from two collectives, and proven equal to DDP.
 
-DDP is, at heart, two collectives:
-  1. broadcast  rank 0's initial parameters, so every replica starts the same;
-  2. all_reduce the gradients after (or during) backward, scaled by 1/world size so
-     the sum is the mean, so every replica takes the same optimizer step.
-
-This script writes that three ways and runs them beside torch's DDP, from the same
-initial weights on the same batches:
-
-  naive     one all_reduce per parameter tensor, after backward
-  bucketed  gradients copied into a few large flat buffers (--bucket-mb), one
-            all_reduce per buffer, after backward
-  overlap   bucketed, but each buffer's all_reduce starts (asynchronously) as soon as
-            backward has produced its last gradient, while backward goes on: what DDP does
-  ddp       torch.nn.parallel.DistributedDataParallel with the same bucket size
-
-After --steps steps every mode's parameters must equal DDP's (bit for bit with 2 ranks;
-max relative difference at most 1e-6 in fp32 with any number, else exit status 1), and
-rank 0 prints tokens/s side by side.
+DDP is, at heart, (1) a broadcast of rank 0's initial parameters and (2) an all_reduce of
+the gradients scaled by 1/world size, so every replica takes the same step. Written here
+three ways (naive: one all_reduce per tensor; bucketed: a few flat buffers; overlap:
+buckets reduced while backward goes on, as DDP does), beside torch's DDP, from the same
+weights on the same batches. Prove: --proof-steps float64 steps of every mode must end
+with DDP's parameters (bit for bit on 2 ranks, within PROOF_TOLERANCE on more), else exit
+status 1. Time: --steps float32 steps, the modes interleaved. Report: a table and JSON.
 
     torchrun --standalone --nproc-per-node=2 05-collectives/ddp_from_scratch.py
     torchrun --standalone --nproc-per-node=2 05-collectives/ddp_from_scratch.py --modes naive,bucketed,overlap,ddp
 """
 
-import argparse
-import inspect
-import os
 import statistics
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler
 
 # Runnable from the repo root or from inside this folder, installed or not.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.cli import DEFAULT_SAVE_DIR, Parser, UsageError, check_run_folder, fail  # noqa: E402
-from common.data import (IGNORE_INDEX, DataError, build_datasets, check_dataset_name,  # noqa: E402
-                         check_enough_samples)
+from common.cli import comma_list, non_negative_int, positive_float, positive_int, script_parser  # noqa: E402
+from common.data import IGNORE_INDEX, fixed_batches  # noqa: E402
+from common.distributed import DDP_NO_BUFFER_SYNC, destroy_process_group, start_demo  # noqa: E402
 from common.metrics import device_name, environment_info, markdown_table, write_json  # noqa: E402
-from common.model import PRESETS, LlamaForCausalLM, get_config, num_parameters  # noqa: E402
+from common.model import LlamaForCausalLM, get_config, num_parameters  # noqa: E402
+from common.proof import max_difference_to_rank0, max_relative_difference, worst_over_ranks  # noqa: E402
+from common.runfolder import claim_run_folder  # noqa: E402
+from common.training import build_optimizer  # noqa: E402
 
 MODES = ("naive", "bucketed", "overlap", "ddp")
-# DDP's switch for "do not re-broadcast buffers before each forward": renamed in recent
-# torch (forward_sync_buffers), the old name broadcast_buffers warns there.
-NO_BUFFER_SYNC = ({"forward_sync_buffers": False}
-                  if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
-                  else {"broadcast_buffers": False})
-TOLERANCE = 1e-6  # max relative difference to DDP after training (fp32, per-tensor norm)
+# The proof runs in float64 (rounding 1.1e-16, 2**29 times finer than float32). On 3+ ranks
+# the modes add the ranks' gradients in other orders: rounding only, measured at most 3e-16
+# of a tensor's norm. A real bug is far above: a missing 1/world ~1e-3, a lost bucket ~1e-2.
+PROOF_TOLERANCE = 1e-9
 
 
 def parse_args(argv=None):
-    p = Parser(formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-               description="Data parallelism rebuilt from broadcast + all_reduce (naive, "
-                           "bucketed, overlapped), checked against DDP. Launch with torchrun.")
-    p.add_argument("--model-preset", default="small", help=f"one of: {', '.join(PRESETS)}")
-    p.add_argument("--seq-length", type=int, default=128, help="tokens per sample")
-    p.add_argument("--batch-size", type=int, default=8, help="samples per step, per process")
-    p.add_argument("--steps", type=int, default=8, help="optimizer steps per mode")
-    p.add_argument("--timing-warmup", type=int, default=2,
+    p = script_parser("05-ddp-from-scratch", "Data parallelism rebuilt from broadcast + "
+                      "all_reduce (naive, bucketed, overlapped), proven equal to DDP, and timed.",
+                      training=True)
+    p.add_argument("--proof-steps", type=positive_int, default=3, help="float64 steps per mode, proof")
+    p.add_argument("--steps", type=positive_int, default=12, help="float32 steps of every mode, timed")
+    p.add_argument("--timing-warmup", type=non_negative_int, default=2,
                    help="first steps of each mode left out of the timing")
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (constant)")
-    p.add_argument("--seed", type=int, default=0, help="initial weights (plus rank) and data order")
-    p.add_argument("--bucket-mb", type=float, default=25.0,
+    p.add_argument("--bucket-mb", type=positive_float, default=25.0,
                    help="gradient bucket size in MiB (DDP's default is 25)")
-    p.add_argument("--modes", default="naive,bucketed,ddp", help=f"comma list of: {', '.join(MODES)}")
-    p.add_argument("--dataset-name", default="stdlib",
-                   help="'stdlib' (embedded, offline), a Hugging Face hub id, or a local path")
-    p.add_argument("--timeout", type=float, default=600,
-                   help="seconds a collective may wait for the other ranks before failing")
-    p.add_argument("--save-dir", default=str(DEFAULT_SAVE_DIR), help="parent of the run folder")
-    p.add_argument("--experiment-name", default=None,
-                   help="run folder name (default: 05-ddp-from-scratch-<timestamp>)")
-    args = p.parse_args(argv)
-
-    # Everything checked before init_process_group: one line, exit 2, nothing on disk.
-    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = [m for m in args.modes if m not in MODES]
-    if unknown or not args.modes:
-        fail(f"unknown --modes {','.join(unknown) or '(empty)'}; choose from {', '.join(MODES)}")
-    if len(set(args.modes)) != len(args.modes):
-        fail(f"--modes lists a mode twice: {','.join(args.modes)}")
-    if args.model_preset not in PRESETS:
-        fail(f"unknown --model-preset {args.model_preset!r}; choose one of {', '.join(PRESETS)}")
-    for name in ("seq_length", "batch_size"):
-        if getattr(args, name) < 1:
-            fail(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(args, name)})")
-    max_pos = PRESETS[args.model_preset]["max_position_embeddings"]
-    if args.seq_length > max_pos:
-        fail(f"--seq-length {args.seq_length} exceeds the {args.model_preset!r} preset's "
-             f"max_position_embeddings={max_pos}")
-    if args.steps < 2:
-        fail(f"--steps must be at least 2: one to warm up, one to time (got {args.steps})")
-    if args.timing_warmup < 0:
-        fail(f"--timing-warmup must not be negative (got {args.timing_warmup})")
-    if not args.lr > 0:
-        fail(f"--lr must be positive (got {args.lr})")
-    if not args.bucket_mb > 0:
-        fail(f"--bucket-mb must be positive (got {args.bucket_mb})")
-    if not args.timeout > 0:
-        fail(f"--timeout must be positive (got {args.timeout})")
-    try:
-        check_dataset_name(args.dataset_name)
-    except DataError as e:
-        fail(str(e))
-    try:
-        check_run_folder(args, "05-ddp-from-scratch")
-    except UsageError as e:
-        fail(str(e))
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        fail("launch with torchrun, e.g. torchrun --standalone --nproc-per-node=2 "
-             "05-collectives/ddp_from_scratch.py")
-    return args
+    p.add_argument("--modes", default="naive,bucketed,ddp", type=comma_list(*MODES), help="comma list")
+    return p.parse_args(argv)
 
 
 # ------------------------------------------------------- step 1: broadcast initial state
 
 def broadcast_initial_state(model):
-    """Copy rank 0's parameters and buffers into every rank's replica, in place.
-    state_dict() tensors share storage with the module, so broadcasting into them
-    overwrites the model's own weights. (DDP does the same in its constructor, in
-    large coalesced chunks rather than one call per tensor.)"""
+    """Copy rank 0's parameters and buffers into every rank's replica, in place: the
+    state_dict() tensors share storage with the module. (DDP's constructor does the same,
+    in large coalesced chunks rather than one call per tensor.)"""
     for tensor in model.state_dict().values():
         dist.broadcast(tensor, src=0)
-
-
-@torch.no_grad()
-def max_difference_to_rank0(model) -> float:
-    """Largest |parameter - rank 0's parameter| over all ranks: 0.0 means identical replicas."""
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    ref = flat.clone()
-    dist.broadcast(ref, src=0)
-    diff = (flat - ref).abs().max().reshape(1)
-    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
-    return diff.item()
 
 
 # ------------------------------------------- step 2: average the gradients, three ways
@@ -212,14 +135,12 @@ class BucketedAllReduce:
 
 
 class OverlappedAllReduce(BucketedAllReduce):
-    """Bucketed, and overlapped with backward, as DDP does: a hook on every parameter
-    fires once backward has accumulated its gradient; when a bucket's last gradient
-    has arrived, its all_reduce starts asynchronously (async_op=True returns at once)
-    and backward carries on computing earlier layers' gradients meanwhile. After
-    backward we only wait for what is still in flight.
-
-    Buckets are launched strictly in index order, the same on every rank: collectives
-    must be called in the same order everywhere, whatever order hooks fire in."""
+    """Bucketed and overlapped with backward, as DDP does: a hook fires once backward has
+    accumulated a parameter's gradient; when a bucket's last gradient is in, its
+    all_reduce starts asynchronously (async_op=True returns at once) while backward goes
+    on with earlier layers. After backward we only wait for what is still in flight.
+    Buckets start strictly in index order, the same on every rank: collectives must be
+    called in the same order everywhere, whatever order the hooks fire in."""
 
     def __init__(self, model, world, bucket_mb, device):
         super().__init__(model, world, bucket_mb, device)
@@ -259,20 +180,18 @@ class OverlappedAllReduce(BucketedAllReduce):
 class Replica:
     """This rank's replica in one mode: model, gradient averaging, optimizer, timings."""
 
-    def __init__(self, mode, args, config, device, rank, world):
-        self.mode, self.device, self.world = mode, device, world
-        # A different seed on every rank, on purpose: nothing but the broadcast (or
-        # DDP's constructor) makes the replicas equal. Rank 0's seed is the same in
-        # every mode, so every mode starts from the same weights.
+    def __init__(self, mode, args, config, device, rank, world, dtype):
+        self.mode, self.device = mode, device
+        # A different seed on every rank, on purpose: only the broadcast (or DDP's
+        # constructor) makes the replicas equal. Every mode starts from rank 0's weights.
         torch.manual_seed(args.seed + rank)
-        self.model = LlamaForCausalLM(config).to(device)
+        self.model = LlamaForCausalLM(config).to(device, dtype)
         self.differ_before = max_difference_to_rank0(self.model)
         if mode == "ddp":
             # The constructor broadcasts rank 0's state, then installs the bucketed,
-            # overlapped all-reduce hooks. Our only buffers are the constant RoPE
-            # tables: no need to re-broadcast them before every forward (as in chapter 03).
+            # overlapped all-reduce hooks (no buffer re-broadcast: as in chapter 03).
             self.forward_model = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None,
-                                     bucket_cap_mb=args.bucket_mb, **NO_BUFFER_SYNC)
+                                     bucket_cap_mb=args.bucket_mb, **DDP_NO_BUFFER_SYNC)
             self.sync = None
         else:
             broadcast_initial_state(self.model)
@@ -281,17 +200,11 @@ class Replica:
                          "bucketed": lambda: BucketedAllReduce(self.model, world, args.bucket_mb, device),
                          "overlap": lambda: OverlappedAllReduce(self.model, world, args.bucket_mb, device),
                          }[mode]()
-        differ_after = max_difference_to_rank0(self.model)
-        if differ_after != 0.0:
-            raise RuntimeError(f"{mode}: replicas differ by {differ_after:g} after the initial broadcast")
-        # The chapters' optimizer: AdamW, no weight decay on the 1-D norm weights.
-        decay = [p for p in self.model.parameters() if p.dim() >= 2]
-        no_decay = [p for p in self.model.parameters() if p.dim() < 2]
-        self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                                            {"params": no_decay, "weight_decay": 0.0}],
-                                           lr=args.lr, betas=(0.9, 0.95))
-        self.times = {"step": [], "compute": [], "sync": []}
-        self.losses = []
+        if max_difference_to_rank0(self.model) != 0.0:
+            raise RuntimeError(f"{mode}: replicas differ after the initial broadcast")
+        # the chapters' AdamW (not fused: float64 in the proof)
+        self.optimizer = build_optimizer(self.model, args.lr, 0.1, "cpu")
+        self.times, self.losses = {"step": [], "compute": [], "sync": []}, []
 
     def clock(self):
         if self.device.type == "cuda":
@@ -310,248 +223,127 @@ class Replica:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         t3 = self.clock()
-        self.times["compute"].append(t1 - t0)
-        self.times["sync"].append(t2 - t1)
-        self.times["step"].append(t3 - t0)
-        self.losses.append(loss.detach())
-
-    def result(self):
-        # The slowest rank's time per step (the steps end together anyway).
-        times = torch.tensor([self.times[k] for k in ("step", "compute", "sync")],
-                             dtype=torch.float64, device=self.device)
-        fastest = times[1].clone()
-        dist.all_reduce(times, op=dist.ReduceOp.MAX)
-        # How far apart the ranks finish backward: an all_reduce cannot end before the
-        # slowest rank joins, so the faster ones spend this skew waiting inside it.
-        dist.all_reduce(fastest, op=dist.ReduceOp.MIN)
-        # The global batch's loss: the mean of the ranks' means (equal token counts).
-        losses = torch.stack(self.losses).float()
-        dist.all_reduce(losses)
-        losses /= self.world
-        sync = self.sync
-        return {
-            "step_times_s": times[0].tolist(),
-            "forward_backward_times_s": times[1].tolist(),
-            "forward_backward_skew_s": (times[1] - fastest).tolist(),
-            "sync_times_s": times[2].tolist() if sync is not None else None,
-            "allreduce_calls_per_step": sync.calls_per_step if sync is not None else None,
-            "buckets_mib": [round(b.buffer.numel() * b.buffer.element_size() / 2**20, 2)
-                            for b in sync.buckets] if hasattr(sync, "buckets") else None,
-            "losses": losses.tolist(),
-            "replicas_differ_before_broadcast": self.differ_before,
-            "replicas_differ_after_training": max_difference_to_rank0(self.model),
-        }
+        for key, seconds in (("compute", t1 - t0), ("sync", t2 - t1), ("step", t3 - t0)):
+            self.times[key].append(seconds)
+        self.losses.append(loss.detach().float())
 
 
-def max_relative_difference(params, reference) -> float:
-    """max over parameter tensors of ||a - b|| / ||b||: 0.0 when equal.
-
-    With 2 ranks every mode adds the same two numbers per gradient element (a + b ==
-    b + a), so the modes agree bit for bit. With 3 or more, gloo and nccl add the ranks'
-    contributions in an order that depends on where an element sits in its message,
-    which differs between one-message-per-tensor, our buckets and DDP's; fp32 addition
-    is not associative, so results then differ by rounding (about 1e-7 of a tensor's
-    norm). Adam amplifies it in the rare elements whose gradients nearly cancel across
-    ranks, so a per-element maximum would flag rounding; the norm does not, while real
-    bugs show up far above it (a missing 1/world: 3e-4 after 3 tiny steps; a bucket
-    not reduced: 2e-2)."""
-    worst = 0.0
-    for a, b in zip(params, reference):
-        worst = max(worst, ((a - b).norm() / (b.norm() + 1e-30)).item())
-    return worst
-
-
-def max_abs_difference(params, reference) -> float:
-    """The largest |a - b| over all elements (reported, not checked)."""
-    return max((a - b).abs().max().item() for a, b in zip(params, reference))
-
-
-# ------------------------------------------------------------------------------ main
-
-def main():
-    args = parse_args()
-
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if torch.cuda.is_available():
-        # fp32 without TF32, deterministic kernels: on GPUs too, the modes must agree
-        # to rounding, which nondeterministic atomics in some backward kernels would spoil.
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.cuda.set_device(local_rank)  # else every process would use GPU 0
-        backend, device = "nccl", torch.device("cuda", local_rank)
-    else:
-        backend, device = "gloo", torch.device("cpu")
-    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
-    status = 1
-    try:
-        status = run(args, backend, device)
-    finally:
-        dist.destroy_process_group()
-    return status
-
-
-def run(args, backend, device):
-    rank, world = dist.get_rank(), dist.get_world_size()
-
-    # ---- data: rank 0 tokenizes once (cached), the others then read its cache -------
-    def load():
-        data = build_datasets(args.dataset_name, args.seq_length, packed=True)
-        check_enough_samples(data.train, args.batch_size * world)
-        return data
-    error, data = None, None
-    if rank == 0:
-        try:
-            data = load()
-        except DataError as e:
-            error = str(e)
-    box = [error]
-    dist.broadcast_object_list(box, src=0)  # a barrier that also says whether rank 0 failed
-    if box[0]:
-        fail(box[0])
-    if rank != 0:
-        data = load()
-
-    # Each rank's shard of one shared shuffle (DistributedSampler, as in chapter 03).
-    # The batches are loaded once, before any timing, and reused by every mode: all
-    # modes see the same data, and the timing holds compute and communication only.
-    sampler = DistributedSampler(data.train, num_replicas=world, rank=rank, shuffle=True,
-                                 seed=args.seed, drop_last=True)
-    loader = DataLoader(data.train, batch_size=args.batch_size, sampler=sampler, drop_last=True)
-    batches, epoch = [], 0
-    while len(batches) < args.steps:
-        sampler.set_epoch(epoch)
-        for x, y in loader:
-            batches.append((x.to(device), y.to(device)))
-            if len(batches) == args.steps:
-                break
-        epoch += 1
-
-    config = get_config(args.model_preset, data.vocab_size)
-    n_params = num_parameters(LlamaForCausalLM(config))
-    tokens_per_step = world * args.batch_size * args.seq_length
-    machine = device_name(device)
-    if rank == 0:
-        print(f"{world} ranks, backend {backend}, {machine}; {args.model_preset} preset, "
-              f"{n_params / 1e6:.2f} M parameters ({4 * n_params / 2**20:.1f} MiB of fp32 "
-              f"gradients per step); {args.steps} steps of {tokens_per_step:,} tokens per mode",
-              flush=True)
-
-    # ---- the modes: same start, same batches, steps interleaved ---------------------
-    # One step of each mode in turn, rather than one mode after the other: a change in
-    # the machine's load (other programs, turbo, caches) then hits every mode alike.
-    replicas = {mode: Replica(mode, args, config, device, rank, world) for mode in args.modes}
+def run_modes(args, config, batches, group, dtype):
+    """Every mode from the same start on the same batches, one step of each in turn, so
+    a change in the machine's load (other programs, turbo, caches) hits all modes alike."""
+    replicas = {mode: Replica(mode, args, config, group.device, group.rank, group.world, dtype)
+                for mode in args.modes}
     for x, y in batches:
         for replica in replicas.values():
             replica.step(x, y)
-    results = {mode: r.result() for mode, r in replicas.items()}
-    finals = {mode: [p.detach() for p in r.model.parameters()] for mode, r in replicas.items()}
-    if rank == 0:
-        for mode, r in results.items():
-            print(f"  {mode:<8}: loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f} "
-                  f"over {args.steps} steps", flush=True)
+    return replicas
 
-    # ---- proof: the same parameters as DDP, on every rank ---------------------------
-    reference = "ddp" if "ddp" in args.modes else None
-    failures = []
-    for mode, r in results.items():
-        if r["replicas_differ_after_training"] != 0.0:
-            failures.append(f"{mode}: replicas differ by {r['replicas_differ_after_training']:g}")
-        if reference and mode != reference:
-            d = torch.tensor([max_relative_difference(finals[mode], finals[reference]),
-                              max_abs_difference(finals[mode], finals[reference])],
-                             dtype=torch.float64, device=device)
-            dist.all_reduce(d, op=dist.ReduceOp.MAX)  # the worst rank
-            r["max_rel_diff_vs_ddp"], r["max_abs_diff_vs_ddp"] = d.tolist()
-            if r["max_rel_diff_vs_ddp"] > TOLERANCE:
-                failures.append(f"{mode}: max relative difference to DDP "
-                                f"{r['max_rel_diff_vs_ddp']:.3g} > {TOLERANCE:g}")
-        else:
-            r["max_rel_diff_vs_ddp"] = r["max_abs_diff_vs_ddp"] = 0.0 if mode == reference else None
 
-    # ---- throughput: warm-up steps left out ------------------------------------------
-    skip = min(args.timing_warmup, args.steps - 1)  # keep at least one measured step
+# ------------------------------------------------------------- prove, time, report
+
+def prove(args, config, batches, group) -> dict:
+    """--proof-steps float64 steps of every mode: each one's parameters against DDP's,
+    the worst rank's figure, and whether the replicas of each mode stayed identical."""
+    replicas = run_modes(args, config, [(x, y) for x, y in batches[:args.proof_steps]], group,
+                         torch.float64)
+    reference = replicas.get("ddp")
+    proof = {}
+    for mode, r in replicas.items():
+        rel = reference and max_relative_difference(list(r.model.parameters()),
+                                                    list(reference.model.parameters()))
+        proof[mode] = {"max_rel_diff_vs_ddp": worst_over_ranks(rel, group.device) if reference else None,
+                       "replicas_differ_before_broadcast": r.differ_before,
+                       "replicas_differ_after_training": max_difference_to_rank0(r.model)}
+    return proof
+
+
+def time_modes(args, config, batches, group) -> dict:
+    """--steps float32 steps of every mode, interleaved; figures from the median step of
+    the slowest rank (the steps end together anyway)."""
+    replicas = run_modes(args, config, batches, group, torch.float32)
+    results = {}
+    for mode, r in replicas.items():
+        times = torch.tensor([r.times[k] for k in ("step", "compute", "sync")],
+                             dtype=torch.float64, device=group.device)
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)
+        losses = torch.stack(r.losses)
+        dist.all_reduce(losses)  # the global batch's loss: the sum of the ranks' means / world
+        skip = min(args.timing_warmup, args.steps - 1)  # keep at least one measured step
+        step, compute, sync = (statistics.median(t[skip:].tolist()) for t in times)
+        results[mode] = {
+            "step_times_s": times[0].tolist(), "tokens_per_s": args.tokens_per_step / step,
+            "step_time_s_median": step, "forward_backward_s_median": compute,
+            "sync_time_s_median": sync if r.sync is not None else None,
+            "allreduce_calls_per_step": getattr(r.sync, "calls_per_step", None),
+            "buckets_mib": [round(b.buffer.numel() * b.buffer.element_size() / 2**20, 2)
+                            for b in r.sync.buckets] if hasattr(r.sync, "buckets") else None,
+            "losses": (losses / group.world).tolist()}
     for r in results.values():
-        measured = r["step_times_s"][skip:]
-        r["measured_steps"] = len(measured)
-        r["tokens_per_s"] = tokens_per_step * len(measured) / sum(measured)
-        r["step_time_s_mean"] = statistics.mean(measured)
-        r["step_time_s_median"] = statistics.median(measured)
-        r["forward_backward_s_mean"] = statistics.mean(r["forward_backward_times_s"][skip:])
-        r["skew_s_mean"] = statistics.mean(r["forward_backward_skew_s"][skip:])
-        r["sync_time_s_mean"] = (statistics.mean(r["sync_times_s"][skip:])
-                                 if r["sync_times_s"] is not None else None)
-    ddp_tps = results["ddp"]["tokens_per_s"] if "ddp" in results else None
-    for r in results.values():
-        r["tokens_per_s_vs_ddp"] = r["tokens_per_s"] / ddp_tps if ddp_tps else None
-
-    if rank == 0:
-        print()
-        print(results_table(results))
-        print(f"\ntimed steps {skip + 1}..{args.steps} of each mode (the first {skip} "
-              f"are warm-up); tolerance {TOLERANCE:g}", flush=True)
-
-        run_dir = Path(args.save_dir) / args.experiment_name
-        run_dir.mkdir(parents=True, exist_ok=True)  # created only now, by rank 0 only
-        write_json(run_dir / "ddp_from_scratch.json", {
-            "experiment_name": args.experiment_name,
-            "world_size": world,
-            "backend": backend,
-            "device": device.type,
-            "device_name": machine,
-            "preset": args.model_preset,
-            "num_params": n_params,
-            "seq_length": args.seq_length,
-            "batch_size": args.batch_size,
-            "tokens_per_step": tokens_per_step,
-            "steps": args.steps,
-            "timing_warmup_steps": skip,
-            "bucket_mb": args.bucket_mb,
-            "tolerance": TOLERANCE,
-            "passed": not failures,
-            "failures": failures,
-            "modes": results,
-            "bucketed_vs_ddp": (results["bucketed"]["tokens_per_s_vs_ddp"]
-                                if "bucketed" in results and ddp_tps else None),
-            "args": vars(args),
-            "environment": environment_info(),
-            "torch_version": torch.__version__,
-        })
-        print(f"outputs in {run_dir}", flush=True)
-        if failures:
-            hint = ("" if world == 2 else
-                    f" (with {world} ranks the modes add in different orders, and fp32 rounding "
-                    f"grows with --steps: a difference near 1e-6 after many steps can be "
-                    f"rounding rather than a bug; see the chapter README)")
-            print("FAILED: " + "; ".join(failures) + hint, file=sys.stderr, flush=True)
-        elif reference:
-            worst = max(r["max_rel_diff_vs_ddp"] for r in results.values())
-            how = "bit for bit" if worst == 0.0 else \
-                f"to fp32 rounding (max relative difference {worst:.2g} <= {TOLERANCE:g})"
-            print(f"OK: every mode's parameters equal DDP's after {args.steps} steps, {how}",
-                  flush=True)
-    dist.barrier()  # nobody leaves while rank 0 still writes
-    return 1 if failures else 0
+        r["tokens_per_s_vs_ddp"] = r["tokens_per_s"] / results["ddp"]["tokens_per_s"] if "ddp" in results else None
+    return results
 
 
-def results_table(results) -> str:
+def results_table(results, proof) -> str:
     """The modes side by side, as a Markdown table."""
-    header = ("mode", "tokens/s", "vs DDP", "step (ms)", "fwd+bwd (ms)", "rank skew (ms)",
-              "exposed all-reduce (ms)", "all_reduce calls/step", "max rel diff vs DDP")
-    rows = []
-    for mode, r in results.items():
-        rows.append((
-            mode,
-            f"{r['tokens_per_s']:,.0f}",
-            f"{100 * r['tokens_per_s_vs_ddp']:.1f}%" if r["tokens_per_s_vs_ddp"] else "n/a",
-            f"{r['step_time_s_mean'] * 1e3:,.1f}",
-            f"{r['forward_backward_s_mean'] * 1e3:,.1f}",
-            f"{r['skew_s_mean'] * 1e3:,.1f}",
-            f"{r['sync_time_s_mean'] * 1e3:,.1f}" if r["sync_time_s_mean"] is not None
-            else "(in backward)",
-            str(r["allreduce_calls_per_step"] or "(DDP's)"),
-            f"{r['max_rel_diff_vs_ddp']:.2e}" if r["max_rel_diff_vs_ddp"] is not None else "n/a"))
+    header = ("mode", "tokens/s", "vs DDP", "step (ms)", "fwd+bwd (ms)",
+              "exposed all-reduce (ms)", "all_reduce calls/step", "proof: max rel diff vs DDP")
+    ms = lambda t: "(in backward)" if t is None else f"{t * 1e3:,.1f}"  # noqa: E731
+    rows = [(mode, f"{r['tokens_per_s']:,.0f}",
+             f"{100 * r['tokens_per_s_vs_ddp']:.1f}%" if r["tokens_per_s_vs_ddp"] else "n/a",
+             ms(r["step_time_s_median"]), ms(r["forward_backward_s_median"]),
+             ms(r["sync_time_s_median"]), str(r["allreduce_calls_per_step"] or "(DDP's)"),
+             "n/a" if proof[mode]["max_rel_diff_vs_ddp"] is None
+             else f"{proof[mode]['max_rel_diff_vs_ddp']:.2e}") for mode, r in results.items()]
     return markdown_table(header, rows, right=range(1, len(header)))
+
+
+def main():
+    args = parse_args()
+    # deterministic: on GPUs too the modes must agree to rounding (no TF32, no atomics)
+    group = start_demo(args.timeout, deterministic=True)
+    rank, world = group.rank, group.world
+    run_dir = claim_run_folder(Path(args.save_dir) / args.experiment_name, rank=rank)
+    data, batches = fixed_batches(args.dataset_name, args.seq_length, args.batch_size,
+                                  max(args.steps, args.proof_steps), args.seed, rank, world, group.device)
+    config = get_config(args.model_preset, data.vocab_size)
+    args.tokens_per_step = world * args.batch_size * args.seq_length
+    n_params = num_parameters(LlamaForCausalLM(config))
+    if rank == 0:
+        print(f"{world} ranks, {group.backend}, {device_name(group.device)}; {args.model_preset} "
+              f"preset, {n_params / 1e6:.2f} M parameters; proof {args.proof_steps} float64 "
+              f"steps, timing {args.steps} float32 steps of {args.tokens_per_step:,} tokens", flush=True)
+
+    # ---- 1. prove: the same parameters as DDP, on every rank ------------------------
+    proof = prove(args, config, batches, group)
+    tolerance = 0.0 if world == 2 else PROOF_TOLERANCE  # a + b == b + a: exact on 2 ranks
+    failures = [f"{mode}: replicas differ by {p['replicas_differ_after_training']:g}"
+                for mode, p in proof.items() if p["replicas_differ_after_training"] != 0.0]
+    failures += [f"{mode}: max relative difference to DDP {p['max_rel_diff_vs_ddp']:.3g} > {tolerance:g}"
+                 for mode, p in proof.items() if (p["max_rel_diff_vs_ddp"] or 0.0) > tolerance]
+
+    # ---- 2. time: float32, steps interleaved --------------------------------------
+    results = time_modes(args, config, batches, group)
+
+    # ---- 3. report -----------------------------------------------------------------
+    if rank == 0:
+        print(f"\n{results_table(results, proof)}\n\nmedians of the steps after the first "
+              f"{min(args.timing_warmup, args.steps - 1)}", flush=True)
+        write_json(run_dir / "ddp_from_scratch.json", {
+            **vars(args), "world_size": world, "backend": group.backend,
+            "device_name": device_name(group.device), "num_params": n_params,
+            "tolerance": tolerance, "passed": not failures, "failures": failures,
+            "modes": {m: {**r, **proof[m]} for m, r in results.items()},
+            "environment": environment_info()})
+        if failures:
+            print("FAILED: " + "; ".join(failures), file=sys.stderr, flush=True)
+        elif "ddp" in results:
+            worst = max(p["max_rel_diff_vs_ddp"] for p in proof.values())
+            print(f"OK: every mode's parameters equal DDP's after {args.proof_steps} float64 steps, "
+                  + ("bit for bit" if worst == 0.0 else f"to rounding ({worst:.2g} <= {tolerance:g})"))
+        print(f"outputs in {run_dir}", flush=True)
+    dist.barrier()  # nobody leaves while rank 0 still writes
+    destroy_process_group()
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

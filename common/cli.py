@@ -251,11 +251,27 @@ def check_device(device: str) -> None:
 
 
 def script_parser(name: str, description: str, *, min_world: int = 2,
-                  run_folder: bool = True) -> Parser:
+                  run_folder: bool = True, training: bool = False) -> Parser:
     """The flags and checks the chapter 05 scripts share: torchrun with at least
-    `min_world` processes, --timeout, and (if `run_folder`) --save-dir and
-    --experiment-name (default `<name>-<timestamp>`)."""
+    `min_world` processes, --timeout, (if `run_folder`) --save-dir and --experiment-name
+    (default `<name>-<timestamp>`), and (if `training`) the model and data flags of the
+    scripts that train: --model-preset, --seq-length, --batch-size, --lr, --seed,
+    --dataset-name."""
     p = Parser(description=description)
+    if training:
+        p.add_argument("--model-preset", default="small", type=one_of(*PRESETS), help="model size")
+        p.add_argument("--seq-length", type=positive_int, default=128, help="tokens per sample")
+        p.add_argument("--batch-size", type=positive_int, default=8, help="samples per step, per process")
+        p.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW learning rate (constant)")
+        p.add_argument("--seed", type=seed_value, default=0, help="initial weights (plus rank), data order")
+        p.add_argument("--dataset-name", default="stdlib", help="'stdlib', a hub id, or a local path")
+
+        def check_length(args):
+            max_pos = PRESETS[args.model_preset]["max_position_embeddings"]
+            if args.seq_length > max_pos:
+                raise UsageError(f"--seq-length {args.seq_length} exceeds the {args.model_preset!r} "
+                                 f"preset's max_position_embeddings={max_pos}")
+        p.checks.append(check_length)
     p.add_argument("--timeout", type=seconds, default=600,
                    help="seconds a collective may wait for the other ranks before failing")
     if run_folder:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import itertools
 import os
 import shutil
 import socket
@@ -449,3 +450,26 @@ def prepare(load, errors=(DataError,)):
         if error:
             fail(error)
     return result
+
+
+def fixed_batches(dataset_name: str, seq_len: int, batch_size: int, count: int, seed: int,
+                  rank: int, world: int, device) -> tuple[Data, list]:
+    """`count` packed training batches of this rank's shard of one shared shuffle (the
+    DistributedSampler order of chapter 03), loaded onto `device` before any timing, for
+    the chapter 05 scripts that run several methods on the very same data."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    def build():
+        data = build_datasets(dataset_name, seq_len, packed=True)
+        check_enough_samples(data.train, batch_size * world)
+        return data
+    data = prepare(build)
+    sampler = DistributedSampler(data.train, num_replicas=world, rank=rank, shuffle=True,
+                                 seed=seed, drop_last=True)
+    loader = DataLoader(data.train, batch_size=batch_size, sampler=sampler, drop_last=True)
+    batches, epoch = [], 0
+    while len(batches) < count:
+        sampler.set_epoch(epoch)
+        batches += [(x.to(device), y.to(device)) for x, y in itertools.islice(loader, count - len(batches))]
+        epoch += 1
+    return data, batches
