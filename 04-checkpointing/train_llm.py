@@ -183,8 +183,8 @@ def resume(args, ckpt_dir, model, optimizer, scheduler, device, rank, settings, 
     """Restore the newest checkpoint that loads; return (step, epoch, steps done in it)."""
     candidates = ([] if args.fresh else [Path(args.resume_from)] if args.resume_from
                   else checkpoint_candidates(ckpt_dir))  # rank 0's list counts: its disk
-    state, path = load_newest(candidates, read_checkpoint, load_checkpoint, model, optimizer,
-                              rank=rank, settings=settings, log=log)
+    state, path = load_newest(candidates, read_checkpoint, load_checkpoint, model, optimizer, rank=rank,
+                              settings=settings, log=log, rollback_in=args.resume_from and ckpt_dir)
     if state is None:
         return 0, 0, 0
     # the same global batch, so batch k is the same samples whatever the world size

@@ -101,12 +101,22 @@ def comma_list(*choices):
 
 # ---- the parser ------------------------------------------------------------------------
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's default once: not for switches and empty defaults, nor where the help
+    text already says it."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 class Parser(argparse.ArgumentParser):
     """argparse, but a bad flag gives one line (not the usage block) and exit 2, and the
     checks that need several flags at once (`self.checks`) run inside parse_args."""
 
     def __init__(self, *args, **kwargs):
-        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
         self.checks = []
 
@@ -195,6 +205,9 @@ def check_args(args, *, run_dir_must_be_new: bool = True) -> None:
                          f"preset's max_position_embeddings={max_pos}")
     if args.vocab_size < 260:
         raise UsageError(f"--vocab-size {args.vocab_size} is below the 256 bytes plus 3 special tokens")
+    if args.vocab_size > 2**20:
+        raise UsageError(f"--vocab-size {args.vocab_size} is above {2**20:,}, more than a BPE "
+                         f"tokenizer can learn here")
     try:
         check_dataset_name(args.dataset_name)
         if args.tokenizer:
@@ -221,7 +234,7 @@ def check_run_folder(args, name_prefix: str, *, must_be_new: bool = True) -> Non
     folder name, a save dir that is a folder, and (unless resuming) no earlier results
     in <save-dir>/<experiment-name> to overwrite. Raises UsageError."""
     if args.experiment_name is None:
-        args.experiment_name = f"{name_prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
+        args.experiment_name = default_run_name(name_prefix)
     if not re.fullmatch(r"[A-Za-z0-9._-]+", args.experiment_name) or args.experiment_name in (".", ".."):
         raise UsageError(f"--experiment-name {args.experiment_name!r} must use only letters, "
                          f"digits, '.', '_' and '-'")
@@ -232,6 +245,16 @@ def check_run_folder(args, name_prefix: str, *, must_be_new: bool = True) -> Non
     if must_be_new and run_dir.is_dir() and any(p.name != ".owner" for p in run_dir.iterdir()):
         raise UsageError(f"run folder {str(run_dir)!r} already exists and is not empty; "
                          f"choose another --experiment-name or remove it")
+
+
+def default_run_name(prefix: str) -> str:
+    """`<prefix>-<timestamp>`; under torchrun `<prefix>-<job id>` instead, which every rank
+    of every machine agrees on and which stays the same across restarts (--standalone
+    makes a random id per job; --rdzv-id names it)."""
+    job = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if job and job != "none":
+        return f"{prefix}-{re.sub(r'[^A-Za-z0-9._-]+', '-', job)[:36].strip('-.') or 'job'}"
+    return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def check_device(device: str) -> None:

@@ -28,7 +28,8 @@ from torch.utils.data import Sampler
 
 from .cli import fail
 from .distributed import first_error
-from .durable import dir_size_mb, disk_full_message, is_disk_full, one_line, verify_manifest
+from .durable import (dir_size_mb, disk_full_message, fsync_dir, fsync_write, is_disk_full, one_line,
+                      verify_manifest)
 
 
 class ResumableSampler(Sampler):
@@ -77,16 +78,20 @@ def checkpoint_candidates(ckpt_dir: Path) -> list[Path]:
     return [p for p in sorted(Path(ckpt_dir).glob("step-*"), reverse=True) if p.name <= name]
 
 
-def commit_on_rank0(commit, rank: int, tmp: Path):
-    """`commit()` on rank 0; every rank returns once it is done (a collective)."""
+def commit_on_rank0(commit, rank: int, tmp: Path | None = None):
+    """`commit()` on rank 0; every rank returns once it is done (a collective). If it
+    fails, the half-written `tmp` folder is removed and every rank stops with one line."""
     error = None
     if rank == 0:
         try:
             commit()
         except OSError as e:
-            shutil.rmtree(tmp, ignore_errors=True)  # never leave a full disk fuller
-            error = (disk_full_message(tmp.parent, dir_size_mb(tmp) if tmp.exists() else 0)
-                     if is_disk_full(e) else f"saving {tmp.name} failed: {one_line(e)}")
+            size = dir_size_mb(tmp) if tmp and tmp.exists() else 0
+            if tmp:
+                shutil.rmtree(tmp, ignore_errors=True)  # never leave a full disk fuller
+            where = tmp.parent if tmp else Path(e.filename or ".").parent
+            error = (disk_full_message(where, size) if is_disk_full(e)
+                     else f"writing {e.filename or where} failed: {one_line(e)}")
     error = first_error(error)
     if error:
         fail(error)
@@ -117,6 +122,15 @@ def run_settings(args, global_batch: int, data_fingerprint: str) -> dict:
             "data fingerprint": data_fingerprint}
 
 
+def roll_back_to(path: Path):
+    """Make checkpoint `path` the latest of its folder: newer ones go to `abandoned/`."""
+    ckpt_dir = path.parent
+    prune_checkpoints(ckpt_dir, path, keep_last=len(list(ckpt_dir.glob("step-*"))))
+    fsync_write(ckpt_dir / "latest.tmp", lambda f: f.write(path.name.encode()))
+    os.replace(ckpt_dir / "latest.tmp", ckpt_dir / "latest")
+    fsync_dir(ckpt_dir)
+
+
 def settings_changes(saved: dict, now: dict) -> list[str]:
     """What differs between a checkpoint's settings and this run's, one phrase each."""
     def name(k):
@@ -137,14 +151,17 @@ def unchanged_on_error(model, optimizer):
         raise
 
 
-def load_newest(candidates, read, load, model, optimizer, *, rank: int, settings: dict, log):
+def load_newest(candidates, read, load, model, optimizer, *, rank: int, settings: dict, log,
+                rollback_in: Path | None = None):
     """The first of `candidates` (rank 0's list, newest first) that loads on every rank:
     (state, path), or (None, None) if there are none. Per candidate, rank 0 checks every
     file against the manifest's checksums and the saved settings against `settings` (a
     mismatch stops the run: it is another run's checkpoint), then `read(path)`s the state;
-    every rank receives it and calls `load(state, path, model, optimizer)`. If any rank fails, every rank
-    puts model and optimizer back and tries the next. If none loads, the run stops with
-    one line, before anything on disk changed."""
+    every rank receives it and calls `load(state, path, model, optimizer)`. If any rank
+    fails, every rank puts model and optimizer back and tries the next. If none loads, the
+    run stops with one line, before anything on disk changed. `rollback_in` (--resume-from
+    gave the checkpoint): if the checkpoint lies in that folder, it becomes its `latest`
+    and the newer ones move out of the resume path."""
     box = [candidates]
     if dist.is_initialized():
         dist.broadcast_object_list(box, src=0)  # rank 0 decides: its disk holds them
@@ -177,6 +194,8 @@ def load_newest(candidates, read, load, model, optimizer, *, rank: int, settings
         except ValueError:
             log.warning("checkpoint %s cannot be used (%s); trying the one before", path, error)
             continue
+        if rollback_in and Path(path).resolve().parent == Path(rollback_in).resolve():
+            commit_on_rank0(lambda: roll_back_to(Path(path)), rank)
         return state, path
     if candidates:
         fail(f"no checkpoint in {Path(candidates[0]).parent} could be loaded (see the warnings "

@@ -15,7 +15,7 @@ from torch.utils.data import DistributedSampler
 
 from common.metrics import throughput_table
 from common.model import LlamaForCausalLM, get_config
-from conftest import REPO, TINY, load_script, python_cmd, read_json, read_jsonl, run, torchrun_cmd
+from conftest import REPO, TINY, python_cmd, read_json, read_jsonl, run, torchrun_cmd
 
 SCRIPT = "01-single-gpu/train_llm.py"
 FOLDER = REPO / "01-single-gpu"
@@ -52,7 +52,8 @@ def test_loss_falls_over_the_run(smoke):
 
 def test_every_output_is_written_with_its_documented_fields(smoke):
     _, run_dir, records, summary = smoke
-    assert {p.name for p in run_dir.iterdir()} == {"metrics.jsonl", "summary.json", "model.pt"}
+    # .owner: the lock that keeps a second job out of the folder
+    assert {p.name for p in run_dir.iterdir()} == {".owner", "metrics.jsonl", "summary.json", "model.pt"}
     for r in records:
         assert RECORD_KEYS <= r.keys(), RECORD_KEYS - r.keys()
         assert r["tokens_per_s"] > 0 and min(r[f"{p}_s"] for p in ("forward", "backward", "update")) > 0
@@ -85,7 +86,7 @@ def test_stdout_ends_with_the_throughput_table(smoke):
 def test_lr_warms_up_then_decays_by_cosine_to_a_tenth_at_max_steps(smoke):
     _, _, records, _ = smoke
     # The logged lr is the one the next step will use: peak x lr_lambda(step).
-    lr_lambda = load_script(SCRIPT).lr_lambda
+    from common.training import lr_lambda
     f = lr_lambda(WARMUP, STEPS)
     assert [r["lr"] for r in records] == pytest.approx([PEAK_LR * f(r["step"]) for r in records])
     assert records[-1]["lr"] == pytest.approx(0.1 * PEAK_LR)  # total steps = --max-steps
@@ -99,16 +100,21 @@ def test_lr_warms_up_then_decays_by_cosine_to_a_tenth_at_max_steps(smoke):
 
 
 @pytest.mark.parametrize("n, seed", [(10, 0), (97, 1), (1000, 1234)])
-def test_data_order_is_distributed_samplers_with_one_replica(n, seed):
-    sampler = load_script(SCRIPT).EpochShuffleSampler(n, seed)
-    reference = DistributedSampler(range(n), num_replicas=1, rank=0, shuffle=True, seed=seed)
+def test_data_order_is_a_fresh_seeded_shuffle_every_epoch(n, seed):
+    """Chapter 01's DistributedSampler with one replica is exactly randperm(seed + epoch),
+    and two ranks' orders interleave into it: chapter 03 splits the very same order."""
+    one = DistributedSampler(range(n), num_replicas=1, rank=0, shuffle=True, seed=seed, drop_last=True)
+    halves = [DistributedSampler(range(n), num_replicas=2, rank=r, shuffle=True, seed=seed,
+                                 drop_last=True) for r in (0, 1)]
     orders = []
     for epoch in range(4):
-        sampler.set_epoch(epoch)
-        reference.set_epoch(epoch)
-        orders.append(list(sampler))
-        assert orders[-1] == list(reference)
-        assert sorted(orders[-1]) == list(range(n)) and len(sampler) == n
+        for s in (one, *halves):
+            s.set_epoch(epoch)
+        expected = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+        orders.append(list(one))
+        assert orders[-1] == expected
+        a, b = list(halves[0]), list(halves[1])
+        assert [x for pair in zip(a, b) for x in pair] == expected[: 2 * (n // 2)]
     assert len({tuple(o) for o in orders}) == len(orders)  # a new order every epoch
 
 
@@ -136,22 +142,23 @@ def test_two_processes_are_refused(tmp_path):
     assert proc.returncode != 0
     # each worker exits with status 2 after one line (torchrun itself then reports failure)
     assert "exitcode  : 2" in proc.stderr
-    assert "error: chapter 01 trains in one process" in proc.stderr
+    assert "error: 01-single-gpu trains in one process" in proc.stderr
     assert not save_dir.exists()
 
 
 REFUSALS = {  # case: (extra flags, environment, words the one line must hold)
-    "batch-size-0": (["--batch-size", "0"], {}, "--batch-size must be at least 1"),
+    "batch-size-0": (["--batch-size", "0"], {}, "--batch-size: must be a whole number >= 1"),
     "seq-longer-than-preset": (["--seq-length", "100000"], {}, "--seq-length 100000 exceeds"),
-    "negative-lr": (["--lr", "-1"], {}, "--lr must be positive"),
-    "negative-max-steps": (["--max-steps", "-1"], {}, "--max-steps must not be negative"),
-    "unknown-preset": (["--model-preset", "nope"], {}, "unknown --model-preset 'nope'"),
+    "negative-lr": (["--lr", "-1"], {}, "--lr: must be a finite number > 0"),
+    "infinite-lr": (["--lr", "inf"], {}, "--lr: must be a finite number > 0"),
+    "negative-max-steps": (["--max-steps", "-1"], {}, "--max-steps: must be a whole number >= 0"),
+    "unknown-preset": (["--model-preset", "nope"], {}, "--model-preset: unknown 'nope'"),
     "missing-local-dataset": (["--dataset-name", "./missing/*.txt"], {}, "does not exist"),
     # an endpoint that refuses at once: the reachability probe fails without waiting
     "unreachable-hub": (["--dataset-name", "someone/some-dataset"],
                         {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "0",
                          "HF_DATASETS_OFFLINE": "0"}, "cannot reach the Hugging Face hub"),
-    "bf16-on-cpu": (["--dtype", "bf16"], {"CUDA_VISIBLE_DEVICES": ""}, "--dtype bf16 needs a CUDA device"),
+    "cuda-without-gpus": (["--device", "cuda"], {"CUDA_VISIBLE_DEVICES": ""}, "CUDA is not available"),
     "existing-run-folder": ([], {}, "already exists and is not empty"),
 }
 EXISTING = "an earlier run's notes\n"

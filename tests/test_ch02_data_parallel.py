@@ -14,7 +14,7 @@ SCRIPT = "02-data-parallel/train_llm.py"
 CH01 = "01-single-gpu/train_llm.py"
 STEPS = 10
 NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}  # the fallback is the lesson here, GPUs or not
-NOTE = "DataParallel needs two or more GPUs; found 0 CUDA devices: trained the plain module"
+NOTE = "DataParallel needs 2+ GPUs, found 0: trained the plain module"
 RUNS = {"ch01": (CH01, []), "dp": (SCRIPT, []), "dp-loss-in-module": (SCRIPT, ["--loss-in-module"])}
 
 
@@ -66,5 +66,5 @@ def test_device_ids_without_gpus_are_refused(tmp_path):
                env=NO_GPU, check=False)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == \
-        ["error: --device-ids names GPUs, but CUDA is not available here"]
+        ["error: argument --device-ids: names GPUs, but CUDA is not available here (see --help)"]
     assert not (tmp_path / "out").exists()

@@ -139,7 +139,7 @@ def test_only_rank_0_writes_and_prints(ddp):
     proc, run_dir = ddp
     assert proc.stdout.count("| metric ") == 1 and proc.stdout.count("outputs in") == 1
     assert "[rank 1]" not in proc.stdout + proc.stderr  # rank 1 logs only trouble
-    assert sorted(p.name for p in run_dir.iterdir()) == ["metrics.jsonl", "model.pt", "summary.json"]
+    assert sorted(p.name for p in run_dir.iterdir()) == [".owner", "metrics.jsonl", "model.pt", "summary.json"]
     steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")]
     assert steps == list(range(1, STEPS + 1))  # one writer: every step once
 
@@ -166,5 +166,6 @@ def test_missing_baseline_file_is_refused(tmp_path):
     proc = run(python_cmd(SCRIPT, *train_args(tmp_path / "out", "x", 8, "--baseline", missing)),
                check=False)
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [f"error: --baseline '{missing}' does not exist"]
+    assert proc.stderr.strip().splitlines() == [
+        f"error: argument --baseline: '{missing}' does not exist or is not a file (see --help)"]
     assert not (tmp_path / "out").exists()

@@ -1,72 +1,117 @@
-"""The shared command line: good defaults pass, every bad flag stops with one clear
-UsageError before anything is created on disk."""
+"""The shared command line: good defaults pass, every bad flag stops with one clear line
+(exit status 2) before anything is created on disk; under torchrun that line is never
+lost, whichever rank exits first."""
 
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
 import pytest
 
-from common.cli import UsageError, base_parser, check_args, fail
+from common.cli import UsageError, base_parser, check_args, fail, script_parser
+from conftest import REPO
 
 
-def parse(save_dir, *argv):
-    return base_parser("01-single-gpu", "test").parse_args(["--save-dir", str(save_dir), *argv])
+def parse(save_dir, *argv, **kwargs):
+    return base_parser("01-single-gpu", "test", **kwargs).parse_args(["--save-dir", str(save_dir), *argv])
 
 
-def test_defaults_are_accepted_and_create_nothing(tmp_path):
+def refusal(capsys, save_dir, *argv, **kwargs) -> str:
+    """The one line a bad command line gets (and its exit status 2)."""
+    with pytest.raises(SystemExit) as exit_:
+        parse(save_dir, *argv, **kwargs)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: "), err
+    return err.strip()
+
+
+def test_defaults_are_accepted_and_create_nothing(tmp_path, monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     args = parse(tmp_path / "outputs")
-    check_args(args)
     assert re.fullmatch(r"01-single-gpu-\d{8}-\d{6}", args.experiment_name)
     assert not (tmp_path / "outputs").exists()
 
 
+def test_under_torchrun_the_default_name_is_the_job_id(tmp_path, monkeypatch):
+    """Every rank, and every restart of the job, agrees on it (a timestamp would not)."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "llm run/1")
+    assert parse(tmp_path).experiment_name == "01-single-gpu-llm-run-1"
+
+
 @pytest.mark.parametrize("argv, message", [
-    (["--batch-size", "0"], "--batch-size must be at least 1 (got 0)"),
+    (["--batch-size", "0"], "argument --batch-size: must be a whole number >= 1 (got '0')"),
     (["--model-preset", "tiny", "--seq-length", "257"],
      "--seq-length 257 exceeds the 'tiny' preset's max_position_embeddings=256"),
-    (["--lr", "-0.001"], "--lr must be positive (got -0.001)"),
-    (["--lr", "0"], "--lr must be positive"),
-    (["--max-steps", "-1"], "--max-steps must not be negative (got -1)"),
-    (["--warmup-steps", "-5"], "--warmup-steps must not be negative"),
-    (["--num-epochs", "0"], "--num-epochs must be at least 1"),
-    (["--model-preset", "huge"], "unknown --model-preset 'huge'"),
+    (["--lr", "-0.001"], "argument --lr: must be a finite number > 0 (got '-0.001')"),
+    (["--lr", "0"], "argument --lr: must be a finite number > 0"),
+    (["--lr", "inf"], "argument --lr: must be a finite number > 0 (got 'inf')"),
+    (["--lr", "1e400"], "argument --lr: must be a finite number > 0"),
+    (["--weight-decay", "nan"], "argument --weight-decay: must be a finite number >= 0 (got 'nan')"),
+    (["--seed", "1e23"], "argument --seed: must be a whole number in [0, 2**63)"),
+    (["--seed", str(2**64)], "argument --seed: must be a whole number in [0, 2**63)"),
+    (["--max-steps", "-1"], "argument --max-steps: must be a whole number >= 0 (got '-1')"),
+    (["--warmup-steps", "-5"], "argument --warmup-steps: must be a whole number >= 0"),
+    (["--num-epochs", "0"], "argument --num-epochs: must be a whole number >= 1"),
+    (["--model-preset", "huge"], "argument --model-preset: unknown 'huge'; choose one of: tiny"),
     (["--experiment-name", "../escape"], "--experiment-name '../escape' must use only"),
     (["--experiment-name", "a b"], "must use only letters"),
     (["--vocab-size", "100"], "--vocab-size 100 is below"),
-    (["--device", "cpu", "--dtype", "bf16"], "--dtype bf16 needs a CUDA device"),
+    (["--vocab-size", "2000000000"], "--vocab-size 2000000000 is above"),
+    (["--dtype", "fp16"], "argument --dtype: unknown 'fp16'; choose one of: auto, fp32, bf16"),
     (["--device", "tpu"], "--device 'tpu'"),
+    (["--device", "mps"], "--device 'mps' is not supported"),
+    (["--nonsense"], "unrecognized arguments: --nonsense"),
 ])
-def test_bad_flags_are_refused(tmp_path, argv, message):
-    with pytest.raises(UsageError) as err:
-        check_args(parse(tmp_path, *argv))
-    assert message in str(err.value)
-    assert "\n" not in str(err.value)
+def test_bad_flags_are_refused_with_one_line(tmp_path, capsys, argv, message):
+    assert message in refusal(capsys, tmp_path, *argv)
+    assert not tmp_path.joinpath("01-single-gpu").exists()
 
 
-def test_missing_local_dataset_and_tokenizer(tmp_path):
-    with pytest.raises(UsageError, match="does not exist"):
-        check_args(parse(tmp_path, "--dataset-name", str(tmp_path / "nowhere" / "*.txt")))
-    with pytest.raises(UsageError, match="does not exist"):
-        check_args(parse(tmp_path, "--tokenizer", str(tmp_path / "tok.json")))
+def test_bf16_autocast_is_allowed_on_cpu(tmp_path):
+    assert parse(tmp_path, "--device", "cpu", "--dtype", "bf16").dtype == "bf16"
 
 
-def test_existing_run_folder_is_never_overwritten(tmp_path):
+def test_every_flag_has_help_and_each_default_is_shown_once(tmp_path, capsys):
+    parser = base_parser("04-checkpointing", "test", distributed=True, resumes=True)
+    for action in parser._actions:
+        assert action.help, action.option_strings
+    text = parser.format_help()
+    assert text.count("(default: 8)") == 1  # --batch-size
+    assert "default: <chapter>-<timestamp>) (default" not in text
+
+
+def test_missing_local_dataset_and_tokenizer(tmp_path, capsys):
+    assert "does not exist" in refusal(capsys, tmp_path, "--dataset-name",
+                                       str(tmp_path / "nowhere" / "*.txt"))
+    assert "does not exist" in refusal(capsys, tmp_path, "--tokenizer", str(tmp_path / "tok.json"))
+
+
+def test_existing_run_folder_is_never_overwritten(tmp_path, capsys):
     run_dir = tmp_path / "exp"
     run_dir.mkdir()
-    check_args(parse(tmp_path, "--experiment-name", "exp"))     # empty folder: fine
+    parse(tmp_path, "--experiment-name", "exp")     # empty folder: fine
+    (run_dir / ".owner").write_text("pid 1")
+    parse(tmp_path, "--experiment-name", "exp")     # only a lock file: still empty
     (run_dir / "summary.json").write_text("{}")
-    with pytest.raises(UsageError, match="already exists and is not empty"):
-        check_args(parse(tmp_path, "--experiment-name", "exp"))
+    assert "already exists and is not empty" in refusal(capsys, tmp_path, "--experiment-name", "exp")
     # a resuming run (chapter 04) may reuse its own folder
-    check_args(parse(tmp_path, "--experiment-name", "exp"), run_dir_must_be_new=False)
+    parse(tmp_path, "--experiment-name", "exp", resumes=True)
     assert (run_dir / "summary.json").read_text() == "{}"
 
 
-def test_save_dir_that_is_a_file(tmp_path):
+def test_save_dir_that_is_a_file(tmp_path, capsys):
     (tmp_path / "file").write_text("x")
-    with pytest.raises(UsageError, match="is not a folder"):
-        check_args(parse(tmp_path / "file"))
+    assert "is not a folder" in refusal(capsys, tmp_path / "file")
+
+
+def test_check_args_raises_usage_error(tmp_path):
+    args = base_parser("01-single-gpu", "test").parse_args(["--save-dir", str(tmp_path)])
+    args.seq_length = 10_000
+    with pytest.raises(UsageError, match="exceeds"):
+        check_args(args)
 
 
 def test_fail_prints_one_line_and_exits_2(capsys, monkeypatch):
@@ -75,7 +120,53 @@ def test_fail_prints_one_line_and_exits_2(capsys, monkeypatch):
         fail("--batch-size must be at least 1 (got 0)")
     assert exit_.value.code == 2
     assert capsys.readouterr().err == "error: --batch-size must be at least 1 (got 0)\n"
-    monkeypatch.setenv("RANK", "1")          # under torchrun only rank 0 says it
+
+
+def test_other_ranks_wait_then_speak_for_themselves(capsys, monkeypatch):
+    """Rank 0 speaks at once; another rank first gives rank 0 time to speak (torchrun ends
+    the job when the first worker exits), then says its own line, tagged."""
+    monkeypatch.setenv("RANK", "1")
+    sleeps = []
+    monkeypatch.setattr("common.cli.time.sleep", sleeps.append)
     with pytest.raises(SystemExit):
         fail("same message")
-    assert capsys.readouterr().err == ""
+    assert sleeps == [3.0]
+    assert capsys.readouterr().err == "error: [rank 1] same message\n"
+
+
+SCRIPTS_AND_BAD_FLAGS = [
+    ("03-ddp/train_llm.py", ["--batch-size", "0"], "--batch-size"),
+    ("04-checkpointing/train_llm.py", ["--keep-last", "0"], "--keep-last"),
+    ("05-collectives/collectives_demo.py", ["--op", "nope"], "--op"),
+    ("05-collectives/bench_collectives.py", ["--iters", "0"], "--iters"),
+    ("05-collectives/ddp_from_scratch.py", ["--modes", "bogus"], "--modes"),
+]
+
+
+@pytest.mark.parametrize("script, argv, flag", SCRIPTS_AND_BAD_FLAGS,
+                         ids=[s.split("/")[1] for s, _, _ in SCRIPTS_AND_BAD_FLAGS])
+def test_bad_flags_under_torchrun_always_show_their_line(tmp_path, script, argv, flag):
+    """Whichever rank exits first, the error line is there (rank 1 waits for rank 0 to
+    speak). Tried 20 times per script by hand; once per script here."""
+    for attempt in range(1):
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+             str(REPO / script), *argv, "--save-dir", str(tmp_path)],
+            cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert proc.returncode != 0
+        lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+        assert lines and f"argument {flag}" in lines[0], (attempt, proc.stderr[-2000:])
+    assert not any(tmp_path.iterdir())
+
+
+def test_script_parser_needs_torchrun(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit):
+        script_parser("05-x", "test").parse_args(["--save-dir", str(tmp_path)])
+    assert "launch with torchrun" in capsys.readouterr().err
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(SystemExit):
+        script_parser("05-x", "test").parse_args(["--save-dir", str(tmp_path)])
+    assert "at least 2 processes" in capsys.readouterr().err

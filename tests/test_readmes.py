@@ -17,7 +17,8 @@ from conftest import REPO, run
 
 CHAPTERS = ["01-single-gpu", "02-data-parallel", "03-ddp", "04-checkpointing", "05-collectives"]
 READMES = [REPO / "README.md"] + [REPO / c / "README.md" for c in CHAPTERS]
-PREVIOUS = {"02-data-parallel": "01-single-gpu", "03-ddp": "02-data-parallel",
+# chapter 03 builds on chapter 01: nn.DataParallel (02) is a detour, not a base
+PREVIOUS = {"02-data-parallel": "01-single-gpu", "03-ddp": "01-single-gpu",
             "04-checkpointing": "03-ddp"}
 NEEDS_MARK = re.compile(r"#\s*needs\b")
 # appended to every train_llm.py command (argparse: the last occurrence wins)

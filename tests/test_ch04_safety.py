@@ -1,0 +1,201 @@
+"""Chapter 04 never loses or corrupts what a run produced: another run's settings, broken
+or tampered checkpoints, a torn metrics line, a second job on the same folder, a rollback,
+--fresh under restarts, and Ctrl-C / SIGTERM each end in a clear state, and a rerun still
+continues exactly."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, read_json, read_jsonl, run, torchrun_cmd
+from test_ch04_checkpointing import (NAME, SCRIPT, assert_same_as_uninterrupted, copy_run,
+                                     flags, kill_job, snapshot, step_dir, train)
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    save_dir = tmp_path_factory.mktemp("safety-ref")
+    train(save_dir)
+    return save_dir / NAME
+
+
+@pytest.fixture(scope="module")
+def crashed(tmp_path_factory):
+    """Checkpoints of steps 4 and 8, then a crash after step 10 (no restarts)."""
+    save_dir = tmp_path_factory.mktemp("safety-crashed")
+    train(save_dir, "--crash-at-step", 10, check=False)
+    return save_dir / NAME
+
+
+def test_another_preset_is_refused_before_anything_changes(tmp_path, crashed):
+    run_dir = copy_run(crashed, tmp_path)
+    before = snapshot(run_dir)
+    proc = train(tmp_path, "--model-preset", "small", check=False)
+    assert proc.returncode != 0
+    assert "belongs to a run with other settings (--model-preset tiny -> small)" in proc.stderr
+    assert snapshot(run_dir) == before
+
+
+def test_another_corpus_or_tokenizer_is_refused(tmp_path, crashed):
+    """The manifest records the data fingerprint; a machine whose corpus or tokenizer
+    differs must not resume silently."""
+    run_dir = copy_run(crashed, tmp_path)
+    for manifest in run_dir.glob("checkpoints/step-*/manifest.json"):
+        meta = json.loads(manifest.read_text())
+        meta["settings"]["data fingerprint"] = "0123456789abcdef"
+        manifest.write_text(json.dumps(meta))
+    proc = train(tmp_path, "--crash-at-step", 10, check=False)
+    assert proc.returncode != 0
+    assert "(data fingerprint 0123456789abcdef ->" in proc.stderr
+
+
+def test_a_flipped_byte_is_caught_and_the_previous_checkpoint_used(tmp_path, crashed, reference):
+    run_dir = copy_run(crashed, tmp_path)
+    state = run_dir / "checkpoints" / step_dir(8) / "state.pt"
+    data = bytearray(state.read_bytes())
+    for i in range(len(data) // 2, len(data) // 2 + 64):  # inside the tensor data, same size
+        data[i] ^= 0xFF
+    state.write_bytes(bytes(data))
+    proc = train(tmp_path, "--crash-at-step", 10)
+    assert "state.pt does not match its checksum" in proc.stdout
+    assert f"resumed from {run_dir / 'checkpoints' / step_dir(4)}: step 4" in proc.stdout
+    assert_same_as_uninterrupted(run_dir, reference)
+
+
+def test_when_no_checkpoint_loads_the_run_stops_and_changes_nothing(tmp_path, crashed):
+    run_dir = copy_run(crashed, tmp_path)
+    for state in run_dir.glob("checkpoints/step-*/state.pt"):
+        state.write_bytes(b"not a checkpoint")
+    before = snapshot(run_dir)
+    proc = train(tmp_path, "--crash-at-step", 10, check=False)
+    assert proc.returncode != 0
+    assert f"no checkpoint in {run_dir / 'checkpoints'} could be loaded" in proc.stderr
+    assert snapshot(run_dir) == before
+
+
+def test_a_torn_last_metrics_line_does_not_block_the_resume(tmp_path, crashed, reference):
+    run_dir = copy_run(crashed, tmp_path)
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write('{"step": 11, "loss": 7.1')  # a kill or a full disk in mid-write
+    train(tmp_path, "--crash-at-step", 10)
+    assert_same_as_uninterrupted(run_dir, reference)
+
+
+def test_a_broken_sharded_checkpoint_falls_back(tmp_path, reference):
+    """DCP's CheckpointException is a BaseException: it must still mean "try the one before"."""
+    train(tmp_path, "--sharded", "--crash-at-step", 10, check=False)
+    run_dir = tmp_path / NAME
+    (run_dir / "checkpoints" / step_dir(8) / "sharded" / ".metadata").unlink()
+    proc = train(tmp_path, "--sharded", "--crash-at-step", 10)
+    assert f"checkpoint {run_dir / 'checkpoints' / step_dir(8)} cannot be used" in proc.stdout
+    assert proc.stdout.count("Traceback") == 0 and proc.stderr.count("Traceback") == 0
+    assert f"resumed from {run_dir / 'checkpoints' / step_dir(4)}: step 4" in proc.stdout
+    assert_same_as_uninterrupted(run_dir, reference)
+
+
+def test_a_second_job_on_the_same_folder_is_refused(tmp_path):
+    """One owner at a time: the lock names the owner; it goes when the owner's process does."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from common.runfolder import claim_run_folder; "
+         "claim_run_folder(__import__('pathlib').Path(sys.argv[1])); print('held', flush=True); "
+         "time.sleep(60)", str(tmp_path / NAME)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        proc = train(tmp_path, check=False)
+        assert proc.returncode != 0
+        assert f"run folder '{tmp_path / NAME}' is in use by pid {holder.pid}" in proc.stderr
+    finally:
+        holder.kill()
+        holder.wait()
+    train(tmp_path)  # the holder is gone: so is its lock
+    assert read_json(tmp_path / NAME / "summary.json")["chapter"] == "04-checkpointing"
+
+
+def test_fresh_under_restarts_archives_once(tmp_path, crashed, reference):
+    run_dir = copy_run(crashed, tmp_path)
+    train(tmp_path, "--fresh", "--crash-at-step", 6, restarts=2)
+    archives = list(run_dir.glob("archive-*"))
+    assert len(archives) == 1, archives  # not one more at the restart after the crash
+    assert_same_as_uninterrupted(run_dir, reference)
+
+
+def test_a_rollback_stays_rolled_back(tmp_path, reference):
+    """--resume-from an older checkpoint makes it `latest` and moves the newer ones out of
+    the resume path: interrupted and rerun plainly, the run continues the new timeline."""
+    train(tmp_path, "--keep-last", 5)
+    run_dir, ckpt = tmp_path / NAME, tmp_path / NAME / "checkpoints"
+    proc = train(tmp_path, "--keep-last", 5, "--resume-from", ckpt / step_dir(8),
+                 "--crash-at-step", 10, check=False)
+    assert proc.returncode != 0 and f"resumed from {ckpt / step_dir(8)}: step 8" in proc.stdout
+    assert (ckpt / "latest").read_text() == step_dir(8)
+    assert sorted(p.name for p in (ckpt / "abandoned").iterdir()) == \
+        [step_dir(12), step_dir(16), step_dir(20)]
+    proc = train(tmp_path, "--keep-last", 5, "--crash-at-step", 10)  # the plain command
+    assert f"resumed from {ckpt / step_dir(8)}: step 8" in proc.stdout
+    assert_same_as_uninterrupted(run_dir, reference)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_saves_a_checkpoint_and_the_rerun_continues_exactly(tmp_path, reference, sig):
+    """What a scheduler (SIGTERM) or Ctrl-C (SIGINT) does: the current step ends, a
+    checkpoint is written, one line says so, the job exits non-zero within seconds."""
+    cmd = [str(c) for c in torchrun_cmd(2, SCRIPT, *flags(tmp_path, "--ckpt-freq", 100))]
+    metrics = tmp_path / NAME / "metrics.jsonl"
+    with open(tmp_path / "job.log", "w") as log:
+        job = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+        deadline = time.monotonic() + 240
+        while job.poll() is None and time.monotonic() < deadline and \
+                (not metrics.exists() or metrics.read_text().count("\n") < 5):
+            time.sleep(0.01)
+        os.killpg(job.pid, sig)  # the whole job, as a terminal's Ctrl-C does
+        t0 = time.monotonic()
+        try:
+            job.wait(timeout=60)
+        finally:
+            kill_job(job.pid)
+    seconds = time.monotonic() - t0
+    out = (tmp_path / "job.log").read_text()
+    assert job.returncode != 0 and seconds < 30, (job.returncode, seconds)
+    lines = [line for line in out.splitlines() if line.startswith("interrupted at step")]
+    assert len(lines) == 1, out[-3000:]
+    step = int(lines[0].split()[3])
+    assert f"checkpoint {step_dir(step)} saved; run the same command to resume" in lines[0]
+    assert out.count("Traceback") == 0, out[-3000:]
+    assert (tmp_path / NAME / "checkpoints" / "latest").read_text() == step_dir(step)
+    proc = run(cmd, timeout=120)
+    assert f"step {step}" in proc.stdout
+    assert_same_as_uninterrupted(tmp_path / NAME, reference)
+
+
+def test_workers_stop_when_their_launcher_is_killed(tmp_path):
+    """kill -9 of torchrun alone (the OOM killer's choice, say): its workers notice and
+    stop, instead of training on as orphans that a rerun would collide with."""
+    cmd = [str(c) for c in torchrun_cmd(2, SCRIPT, *flags(tmp_path, "--max-steps", 400))]
+    metrics = tmp_path / NAME / "metrics.jsonl"
+    with open(tmp_path / "job.log", "w") as log:
+        job = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and (not metrics.exists() or not metrics.read_text()):
+            time.sleep(0.01)
+        workers = subprocess.run(["pgrep", "-P", str(job.pid)], capture_output=True,
+                                 text=True).stdout.split()
+        assert workers
+        os.kill(job.pid, signal.SIGKILL)
+        job.wait()
+        deadline = time.monotonic() + 30
+        alive = workers
+        while alive and time.monotonic() < deadline:
+            alive = [w for w in workers if os.path.exists(f"/proc/{w}") and
+                     "Z" not in open(f"/proc/{w}/stat").read().split()[2]]
+            time.sleep(0.1)
+        kill_job(job.pid)
+    assert not alive, f"orphaned workers still running: {alive}"
+    assert len(read_jsonl(metrics)) < 400
