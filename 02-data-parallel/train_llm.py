@@ -103,16 +103,19 @@ class Replica(torch.nn.Module):
         with torch.autocast(x.device.type, dtype=self.dtype, enabled=self.dtype is not None):
             out = self.model(x, attn_mask)
             if self.loss_in_module:
-                out = F.cross_entropy(out.view(-1, out.size(-1)), y.view(-1), ignore_index=IGNORE_INDEX)
+                out = F.cross_entropy(out.view(-1, out.size(-1)), y.view(-1), ignore_index=IGNORE_INDEX,
+                                      reduction="sum")
             return out.unsqueeze(0) if self.loss_in_module else out
 
 
 def compute_loss(model, x, y, attn_mask):
     logits = model(x, attn_mask, y)
-    if logits.dim() == 1:  # --loss-in-module: one loss per GPU, each of an equal share
-        return logits.mean()
-    # mean over the real target tokens; padding targets are IGNORE_INDEX
-    return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), ignore_index=IGNORE_INDEX)
+    if logits.dim() == 1:  # --loss-in-module: one summed loss per GPU
+        return logits.sum()
+    # summed over the real target tokens (padding targets are IGNORE_INDEX): the caller
+    # divides by the step's count, so micro-batches (and ranks) add up to the token mean
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
 
 
 def main():
@@ -169,17 +172,19 @@ def main():
         for _ in range(min(steps_per_epoch, total_steps - step)):
             tracker.start_step()
             loss_sum.zero_()
-            # Gradient accumulation: backward adds into .grad, so grad-accum micro-batches,
-            # each loss divided by their number, give the gradient of one larger batch.
-            for micro in range(args.grad_accum):
+            with tracker.phase("data"):
+                micro_batches = [next(batches) for _ in range(args.grad_accum)]
+                n_tokens = sum(int((y != IGNORE_INDEX).sum()) for _, y in micro_batches)
+            # Gradient accumulation: backward adds into .grad, so the micro-batches' summed
+            # losses, each divided by the step's token count, give one larger batch's gradient.
+            for micro, (x, y) in enumerate(micro_batches):
                 with tracker.phase("data"):
-                    x, y = next(batches)
                     x = x.to(device, non_blocking=True)
                     y = y.to(device, non_blocking=True)
                     attn_mask = build_attention_mask(x, data.pad_id) if args.padded else None
                 with tracker.phase("forward"):
                     with autocast:
-                        loss = compute_loss(dp_model, x, y, attn_mask) / args.grad_accum
+                        loss = compute_loss(dp_model, x, y, attn_mask) / n_tokens
                 with tracker.phase("backward"):
                     loss.backward()
                 loss_sum += loss.detach()  # stays on the device: no host sync per step

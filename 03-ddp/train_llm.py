@@ -102,8 +102,10 @@ def load_data(args, device, rank, world_size):
 
 def compute_loss(model, x, y, attn_mask):
     logits = model(x, attn_mask)
-    # mean over the real target tokens; padding targets are IGNORE_INDEX
-    return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), ignore_index=IGNORE_INDEX)
+    # summed over the real target tokens (padding targets are IGNORE_INDEX): the caller
+    # divides by the step's count, so micro-batches (and ranks) add up to the token mean
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
 
 
 def main():
@@ -162,11 +164,18 @@ def main():
         for _ in range(min(steps_per_epoch, total_steps - step)):
             tracker.start_step()
             loss_sum.zero_()
-            # Gradient accumulation: backward adds into .grad, so grad-accum micro-batches,
-            # each loss divided by their number, give the gradient of one larger batch.
-            for micro in range(args.grad_accum):
+            with tracker.phase("data"):
+                micro_batches = [next(batches) for _ in range(args.grad_accum)]
+                n_tokens = sum(int((y != IGNORE_INDEX).sum()) for _, y in micro_batches)
+                # DDP averages the ranks' gradients: x world_size / the global batch's token
+                # count (ranks differ with --padded) makes that the mean over all its tokens.
+                n_tokens = torch.tensor(n_tokens, device=device)
+                if distributed:
+                    dist.all_reduce(n_tokens)
+            # Gradient accumulation: backward adds into .grad, so the micro-batches' summed
+            # losses, each divided by the step's token count, give one larger batch's gradient.
+            for micro, (x, y) in enumerate(micro_batches):
                 with tracker.phase("data"):
-                    x, y = next(batches)
                     x = x.to(device, non_blocking=True)
                     y = y.to(device, non_blocking=True)
                     attn_mask = build_attention_mask(x, data.pad_id) if args.padded else None
@@ -177,7 +186,7 @@ def main():
                     model.require_backward_grad_sync = micro == args.grad_accum - 1
                 with tracker.phase("forward"):
                     with autocast:
-                        loss = compute_loss(model, x, y, attn_mask) / args.grad_accum
+                        loss = compute_loss(model, x, y, attn_mask) * world_size / n_tokens
                 with tracker.phase("backward"):
                     loss.backward()
                 loss_sum += loss.detach()  # stays on the device: no host sync per step
@@ -189,9 +198,9 @@ def main():
             step += 1
             tracker.end_step()
             if step % args.log_freq == 0 or step == total_steps:
-                # The mean over the whole global batch: average the ranks' means (every
-                # rank holds the same number of tokens). Every rank joins this
-                # all-reduce, on the same steps; .item() waits for it.
+                # The mean over the whole global batch: the ranks' shares (each x world_size)
+                # summed, / world_size. Every rank joins this all-reduce, on the same steps;
+                # .item() waits for it.
                 if distributed:
                     dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
                     loss_sum /= world_size

@@ -33,12 +33,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.cli import base_parser, checkpoint_folder, non_negative_int, positive_int, setup_logging  # noqa: E402
 from common.data import IGNORE_INDEX, build_datasets, check_enough_samples, dataset_info, prepare  # noqa: E402
 from common.distributed import DDP_NO_BUFFER_SYNC, destroy_process_group, init_process_group_for_restarts  # noqa: E402
-from common.durable import fsync_dir, fsync_write, write_manifest  # noqa: E402
+from common.durable import fsync_write, write_manifest  # noqa: E402
 from common.masks import build_attention_mask  # noqa: E402
 from common.metrics import environment_info  # noqa: E402
 from common.model import LlamaForCausalLM, describe, flops_per_token, get_config, num_parameters  # noqa: E402
 from common.resume import (ResumableSampler, all_rng_states, checkpoint_candidates, commit_on_rank0,  # noqa: E402
-                           load_newest, prune_checkpoints, run_settings, set_rng_states)
+                           load_newest, point_latest_to, prune_checkpoints, run_settings, set_rng_states)
 from common.runfolder import archive_run, claim_run_folder  # noqa: E402
 from common.stopping import StopRequest, crash_once, run_main  # noqa: E402
 from common.tracker import Tracker  # noqa: E402
@@ -61,10 +61,8 @@ def parse_args(argv=None):
     start = parser.add_mutually_exclusive_group()
     start.add_argument("--fresh", action="store_true",
                        help="start at step 0; earlier files move to an archive-* folder, once per job")
-    start.add_argument("--resume-from", type=checkpoint_folder, default=None,
-                       help="resume from this checkpoint folder instead of the latest")
-    parser.add_argument("--crash-at-step", type=positive_int, default=None,
-                        help="fault injection: the last rank fails once, after this step")
+    start.add_argument("--resume-from", type=checkpoint_folder, help="this checkpoint folder, not the latest")
+    parser.add_argument("--crash-at-step", type=positive_int, help="fault injection: the last rank fails here")
     return parser.parse_args(argv)
 
 
@@ -122,8 +120,10 @@ def load_data(args, device, rank, world_size):
 
 def compute_loss(model, x, y, attn_mask):
     logits = model(x, attn_mask)
-    # mean over the real target tokens; padding targets are IGNORE_INDEX
-    return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), ignore_index=IGNORE_INDEX)
+    # summed over the real target tokens (padding targets are IGNORE_INDEX): the caller
+    # divides by the step's count, so micro-batches (and ranks) add up to the token mean
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
 
 
 # ---- checkpoints -----------------------------------------------------------------------
@@ -141,22 +141,18 @@ def save_checkpoint(ckpt_dir: Path, state: dict, model, optimizer, *, sharded, k
     if dist.is_initialized():
         dist.barrier()  # the folder exists before anyone writes into it
     if sharded:
-        # Each rank writes its part (replicated tensors once, spread over the ranks), into
-        # storage every rank can reach.
+        # each rank writes its part (replicated tensors once) to storage every rank can reach
         model_sd, optim_sd = get_state_dict(model, optimizer)
         dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp / "sharded")
     else:
         # DDP replicas are identical: rank 0's copy is everyone's.
         state = {**state, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
-
     def commit():  # rank 0, while the others wait
         fsync_write(tmp / "state.pt", lambda f: torch.save(state, f))
         write_manifest(tmp, {"settings": state["settings"]})  # a checksum of every file
         shutil.rmtree(final, ignore_errors=True)  # the same step, saved before a crash
         os.rename(tmp, final)
-        fsync_write(ckpt_dir / "latest.tmp", lambda f: f.write(final.name.encode()))
-        os.replace(ckpt_dir / "latest.tmp", ckpt_dir / "latest")  # the commit point
-        fsync_dir(ckpt_dir)  # makes the renames durable
+        point_latest_to(final)  # the commit point: `latest` replaced atomically, then fsynced
         prune_checkpoints(ckpt_dir, final, keep_last)
     commit_on_rank0(commit, rank, tmp)  # an error (a full disk) stops every rank
     return final, time.perf_counter() - t0
@@ -179,13 +175,16 @@ def load_checkpoint(state: dict, path: Path, model, optimizer):
         optimizer.load_state_dict(state["optimizer"])
 
 
-def resume(args, ckpt_dir, model, optimizer, scheduler, device, rank, settings, log):
+def resume(args, run_dir, model, optimizer, scheduler, device, rank, settings, log):
     """Restore the newest checkpoint that loads; return (step, epoch, steps done in it)."""
+    if args.fresh and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0 and rank == 0:
+        log.info("--fresh: earlier files moved to %s", archive_run(run_dir))  # once per job
+    ckpt_dir = run_dir / "checkpoints"
     candidates = ([] if args.fresh else [Path(args.resume_from)] if args.resume_from
                   else checkpoint_candidates(ckpt_dir))  # rank 0's list counts: its disk
     state, path = load_newest(candidates, read_checkpoint, load_checkpoint, model, optimizer, rank=rank,
                               settings=settings, log=log, rollback_in=args.resume_from and ckpt_dir)
-    if state is None:
+    if state is None:  # nothing to resume: step 0
         return 0, 0, 0
     # the same global batch, so batch k is the same samples whatever the world size
     scheduler.load_state_dict(state["scheduler"])
@@ -236,22 +235,18 @@ def main():
 
     # ---- outputs (created only now: bad input above leaves nothing behind) ---------
     run_dir = claim_run_folder(Path(args.save_dir) / args.experiment_name, rank=rank, resumes=True)
-    ckpt_dir, restart = run_dir / "checkpoints", int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    if args.fresh and restart == 0 and rank == 0:  # once per job, not at every restart
-        log.info("--fresh: earlier files moved to %s", archive_run(run_dir))  # never deleted
 
     # ---- resume: the newest checkpoint of this same run that loads ------------------
     # a checkpoint resumes only a run with the same flags, global batch, corpus, tokenizer
-    settings = run_settings(args, global_batch, data.fingerprint)
-    start_step, start_epoch, start_in_epoch = resume(args, ckpt_dir, raw_model, optimizer,
+    settings = run_settings(args, global_batch, data.fingerprint, FORMAT_VERSION)
+    start_step, start_epoch, start_in_epoch = resume(args, run_dir, raw_model, optimizer,
                                                      scheduler, device, rank, settings, log)
     if start_step >= total_steps:
         log.info("this run already finished (step %d of %d); nothing to do", start_step, total_steps)
         del model  # as at the end of main(): free DDP before its process group
         return destroy_process_group()
     # timing, progress bar, metrics.jsonl, summary.json and the final table (rank 0)
-    tracker = Tracker(CHAPTER, run_dir, device, total_steps, tokens_per_step, log, rank=rank,
-                      start_step=start_step)
+    tracker = Tracker(CHAPTER, run_dir, device, total_steps, tokens_per_step, log, rank, start_step)
 
     # ---- the training loop ---------------------------------------------------------
     step, stopped = start_step, None
@@ -269,11 +264,18 @@ def main():
         for in_epoch in range(done, min(steps_per_epoch, done + total_steps - step)):
             tracker.start_step()
             loss_sum.zero_()
-            # Gradient accumulation: backward adds into .grad, so grad-accum micro-batches,
-            # each loss divided by their number, give the gradient of one larger batch.
-            for micro in range(args.grad_accum):
+            with tracker.phase("data"):
+                micro_batches = [next(batches) for _ in range(args.grad_accum)]
+                n_tokens = sum(int((y != IGNORE_INDEX).sum()) for _, y in micro_batches)
+                # DDP averages the ranks' gradients: x world_size / the global batch's token
+                # count (ranks differ with --padded) makes that the mean over all its tokens.
+                n_tokens = torch.tensor(n_tokens, device=device)
+                if distributed:
+                    dist.all_reduce(n_tokens)
+            # Gradient accumulation: backward adds into .grad, so the micro-batches' summed
+            # losses, each divided by the step's token count, give one larger batch's gradient.
+            for micro, (x, y) in enumerate(micro_batches):
                 with tracker.phase("data"):
-                    x, y = next(batches)
                     x = x.to(device, non_blocking=True)
                     y = y.to(device, non_blocking=True)
                     attn_mask = build_attention_mask(x, data.pad_id) if args.padded else None
@@ -284,7 +286,7 @@ def main():
                     model.require_backward_grad_sync = micro == args.grad_accum - 1
                 with tracker.phase("forward"):
                     with autocast:
-                        loss = compute_loss(model, x, y, attn_mask) / args.grad_accum
+                        loss = compute_loss(model, x, y, attn_mask) * world_size / n_tokens
                 with tracker.phase("backward"):
                     loss.backward()
                 loss_sum += loss.detach()  # stays on the device: no host sync per step
@@ -296,9 +298,9 @@ def main():
             step += 1
             tracker.end_step()
             if step % args.log_freq == 0 or step == total_steps:
-                # The mean over the whole global batch: average the ranks' means (every
-                # rank holds the same number of tokens). Every rank joins this
-                # all-reduce, on the same steps; .item() waits for it.
+                # The mean over the whole global batch: the ranks' shares (each x world_size)
+                # summed, / world_size. Every rank joins this all-reduce, on the same steps;
+                # .item() waits for it.
                 if distributed:
                     dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
                     loss_sum /= world_size
@@ -307,12 +309,11 @@ def main():
 
             stopped = stop.agreed()  # every rank asks after every step: all stop together
             if step == total_steps or stopped or (args.ckpt_freq and step % args.ckpt_freq == 0):
-                state = {"format_version": FORMAT_VERSION, "step": step,  # and where it was:
-                         "epoch": epoch, "step_in_epoch": in_epoch + 1,  # steps done in the epoch
+                state = {"step": step, "epoch": epoch, "step_in_epoch": in_epoch + 1,  # where it was
                          "scheduler": scheduler.state_dict(), "world_size": world_size,
                          "sharded": args.sharded, "settings": settings,
                          "rng": all_rng_states(device)}  # every rank's: they differ
-                path = tracker.saved(save_checkpoint(ckpt_dir, state, raw_model, optimizer,
+                path = tracker.saved(save_checkpoint(run_dir / "checkpoints", state, raw_model, optimizer,
                                                      sharded=args.sharded, keep_last=args.keep_last, rank=rank))
             if stopped:
                 break
@@ -320,8 +321,7 @@ def main():
     tracker.close()
     if stopped:  # the checkpoint holds everything: the same command continues from it
         del model  # as at the end of main(): free DDP before its process group
-        stop.leave(f"interrupted at step {step} ({stopped}); checkpoint {path.name} saved; "
-                   f"run the same command to resume")
+        stop.leave(step, path)
 
     # ---- validation, sample, weights, summary --------------------------------------
     # Every rank evaluates its share of the validation batches on the bare module (a DDP
@@ -338,8 +338,8 @@ def main():
                    final_loss=loss_sum.item(), val_loss=val_loss, num_devices=world_size,
                    backend=dist.get_backend() if distributed else None,
                    extra={"global_batch_size": global_batch, "grad_accum": args.grad_accum,
-                          "data": dataset_info(data), "restart_count": restart,
-                          "resumed_at_step": start_step})
+                          "data": dataset_info(data), "resumed_at_step": start_step,
+                          "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))})
     if distributed:
         dist.barrier()  # nobody leaves while rank 0 may still need the group
         del model  # DDP's reducer holds the group: free it first

@@ -7,6 +7,7 @@
   disk) stops every rank with one line, and leaves no half-written folder behind.
 - `load_newest`: try checkpoints newest first until one loads on every rank; rank 0
   decides the list, checks checksums and settings, and sends what it read to the others.
+- `point_latest_to`: the atomic commit of a checkpoint (the `latest` pointer).
 - `prune_checkpoints`: keep the newest few; move abandoned ones out of the resume path.
 - `run_settings` / `settings_changes`: what defines a run, and what differs.
 """
@@ -116,19 +117,26 @@ RUN_DEFINING_FLAGS = ("dataset_name", "dataset_subset", "text_column", "tokenize
                       "warmup_steps", "num_epochs", "max_steps", "seed")
 
 
-def run_settings(args, global_batch: int, data_fingerprint: str) -> dict:
-    """What a checkpoint records and a resume compares (see `settings_changes`)."""
+def run_settings(args, global_batch: int, data_fingerprint: str, format_version: int) -> dict:
+    """What a checkpoint records and a resume compares (see `settings_changes`): the flags,
+    the global batch, the corpus and tokenizer, and the checkpoint format."""
     return {**{k: getattr(args, k) for k in RUN_DEFINING_FLAGS}, "global batch": global_batch,
-            "data fingerprint": data_fingerprint}
+            "data fingerprint": data_fingerprint, "format version": format_version}
+
+
+def point_latest_to(path: Path):
+    """Point `latest` (beside checkpoint `path`) at it: written beside, fsynced, renamed
+    over the old pointer (atomic), and the folder fsynced so the renames last."""
+    ckpt_dir = Path(path).parent
+    fsync_write(ckpt_dir / "latest.tmp", lambda f: f.write(Path(path).name.encode()))
+    os.replace(ckpt_dir / "latest.tmp", ckpt_dir / "latest")
+    fsync_dir(ckpt_dir)
 
 
 def roll_back_to(path: Path):
     """Make checkpoint `path` the latest of its folder: newer ones go to `abandoned/`."""
-    ckpt_dir = path.parent
-    prune_checkpoints(ckpt_dir, path, keep_last=len(list(ckpt_dir.glob("step-*"))))
-    fsync_write(ckpt_dir / "latest.tmp", lambda f: f.write(path.name.encode()))
-    os.replace(ckpt_dir / "latest.tmp", ckpt_dir / "latest")
-    fsync_dir(ckpt_dir)
+    prune_checkpoints(path.parent, path, keep_last=len(list(path.parent.glob("step-*"))))
+    point_latest_to(path)
 
 
 def settings_changes(saved: dict, now: dict) -> list[str]:

@@ -62,10 +62,12 @@ class StopRequest:
     def _note(self, signum, frame):
         self.signal = self.signal or signal.Signals(signum).name
 
-    def leave(self, message: str):
+    def leave(self, step: int, checkpoint: Path):
         """After the checkpoint: one line (rank 0), leave the group, exit 128 + signal."""
         if int(os.environ.get("RANK") or 0) == 0:
-            print(f"\n{message}", file=sys.stderr, flush=True)
+            print(f"\ninterrupted at step {step} ({self.signal or 'a signal to another rank'}); "
+                  f"checkpoint {Path(checkpoint).name} saved; run the same command to resume",
+                  file=sys.stderr, flush=True)
         if dist.is_initialized():
             gc.collect()
             dist.destroy_process_group()

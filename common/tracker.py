@@ -25,7 +25,7 @@ from .metrics import (MetricsWriter, PhaseTimer, StepStats, build_summary, find_
 
 class Tracker:
     def __init__(self, chapter: str, run_dir: Path, device, total_steps: int,
-                 tokens_per_step: int, log, *, rank: int = 0, start_step: int = 0):
+                 tokens_per_step: int, log, rank: int = 0, start_step: int = 0):
         self.chapter, self.run_dir, self.device, self.logger = chapter, Path(run_dir), device, log
         self.total_steps, self.tokens_per_step, self.rank = total_steps, tokens_per_step, rank
         self.timer, self.stats = PhaseTimer(device), StepStats()

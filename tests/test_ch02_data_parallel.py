@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from common.model import LlamaForCausalLM, get_config
-from conftest import TINY, python_cmd, read_json, read_jsonl, run
+from conftest import TINY, load_script, python_cmd, read_json, read_jsonl, run
 
 SCRIPT = "02-data-parallel/train_llm.py"
 CH01 = "01-single-gpu/train_llm.py"
@@ -68,3 +68,27 @@ def test_device_ids_without_gpus_are_refused(tmp_path):
     assert proc.stderr.strip().splitlines() == \
         ["error: argument --device-ids: names GPUs, but CUDA is not available here (see --help)"]
     assert not (tmp_path / "out").exists()
+
+
+def test_a_replica_computes_in_the_chosen_dtype_in_a_fresh_thread():
+    """DataParallel runs each replica in a new thread and re-enters autocast there with the
+    on/off flag only (parallel_apply), so the thread gets autocast's default dtype. The
+    Replica enters autocast itself with the chosen one. On CPU the default is bf16, so the
+    test chooses fp16 and does in a thread exactly what parallel_apply does."""
+    import threading
+
+    ch02 = load_script(SCRIPT)
+    model = LlamaForCausalLM(get_config("tiny", 300))
+    x = torch.randint(0, 300, (1, 8))
+    dtypes = {}
+
+    def like_parallel_apply(name, module, *inputs):
+        with torch.autocast("cpu", enabled=True):  # no dtype: the thread's default
+            dtypes[name] = module(*inputs).dtype
+
+    cases = {"bare": (model, x, None), "replica": (ch02.Replica(model, torch.float16, False), x, None, x)}
+    for name, (module, *inputs) in cases.items():
+        t = threading.Thread(target=like_parallel_apply, args=(name, module, *inputs))
+        t.start()
+        t.join()
+    assert dtypes == {"bare": torch.bfloat16, "replica": torch.float16}

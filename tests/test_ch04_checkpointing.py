@@ -249,10 +249,10 @@ def test_loading_never_unpickles_code(tmp_path):
     marker = tmp_path / "payload-ran"
     evil = tmp_path / "evil"
     evil.mkdir()
-    torch.save({"format_version": 2, "step": 1, "payload": RunsCode(marker)}, evil / "state.pt")
+    torch.save({"step": 1, "payload": RunsCode(marker)}, evil / "state.pt")
     args = load_script(SCRIPT).parse_args([*map(str, flags(tmp_path / "out"))])
     data = build_datasets("stdlib", 64)  # the cached corpus: the settings match
-    write_manifest(evil, {"settings": run_settings(args, 4, data.fingerprint)})
+    write_manifest(evil, {"settings": run_settings(args, 4, data.fingerprint, 2)})
 
     proc = run(python_cmd(SCRIPT, *flags(tmp_path / "out", "--resume-from", evil)), check=False)
     assert proc.returncode == 2
