@@ -66,7 +66,8 @@ class StopRequest:
         """After the checkpoint: one line (rank 0), leave the group, exit 128 + signal."""
         if int(os.environ.get("RANK") or 0) == 0:
             print(f"\ninterrupted at step {step} ({self.signal or 'a signal to another rank'}); "
-                  f"checkpoint {Path(checkpoint).name} saved; run the same command to resume",
+                  f"checkpoint {Path(checkpoint).name} saved; run the same command to resume "
+                  f"(with --experiment-name {Path(checkpoint).parent.parent.name})",
                   file=sys.stderr, flush=True)
         if dist.is_initialized():
             gc.collect()

@@ -166,7 +166,8 @@ def test_a_signal_saves_a_checkpoint_and_the_rerun_continues_exactly(tmp_path, r
     lines = [line for line in out.splitlines() if line.startswith("interrupted at step")]
     assert len(lines) == 1, out[-3000:]
     step = int(lines[0].split()[3])
-    assert f"checkpoint {step_dir(step)} saved; run the same command to resume" in lines[0]
+    assert f"checkpoint {step_dir(step)} saved; run the same command to resume " \
+           f"(with --experiment-name {NAME})" in lines[0]
     assert out.count("Traceback") == 0, out[-3000:]
     assert (tmp_path / NAME / "checkpoints" / "latest").read_text() == step_dir(step)
     proc = run(cmd, timeout=120)
