@@ -12,10 +12,12 @@ scores `(batch, heads, queries, keys)`:
     combined (B, 1, T, T)
 
 Why keys only: if the padding mask also blanked the *rows* of pad queries, those rows
-would have every key masked, softmax over all -inf is 0/0, and NaN spreads into the
-outputs and the gradients. Masking keys only leaves every row at least one real key
-(right padding, and every sample starts with a real token); the pad rows compute
-something harmless and the loss ignores their targets.
+would have every key masked. In a hand-written attention, softmax over all -inf is 0/0
+and NaN spreads into the outputs and the gradients; current `scaled_dot_product_attention`
+returns 0 for such a row instead, so the NaN appears only with hand-written attention or
+older kernels. Masking keys only leaves every row at least one real key (right padding,
+and every sample starts with a real token), which is right with any kernel; the pad rows
+compute something harmless and the loss ignores their targets.
 """
 
 from __future__ import annotations

@@ -169,3 +169,24 @@ def test_missing_baseline_file_is_refused(tmp_path):
     assert proc.stderr.strip().splitlines() == [
         f"error: argument --baseline: '{missing}' does not exist or is not a file (see --help)"]
     assert not (tmp_path / "out").exists()
+
+
+def test_slurm_script_is_valid_bash_and_launches_what_the_readme_says(tmp_path):
+    """`bash -n`, then a dry run with stand-ins for scontrol and srun (they print what
+    they were given): one srun per node with the CPUs passed on, threads split among
+    the workers, and a rendezvous port of the job's own."""
+    script = REPO / "03-ddp" / "slurm_ddp.sbatch"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho node-a; echo node-b\n")
+    (bin_dir / "srun").write_text('#!/bin/sh\necho "OMP_NUM_THREADS=$OMP_NUM_THREADS srun $*"\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "123456",
+           "SLURM_JOB_NODELIST": "node-[a-b]", "SLURM_NNODES": "2", "SLURM_CPUS_PER_TASK": "32"}
+    out = subprocess.run(["bash", str(script)], cwd=REPO, env=env, capture_output=True,
+                         text=True, check=True).stdout
+    assert out.startswith("OMP_NUM_THREADS=4 srun --cpus-per-task=32 torchrun --nnodes=2 "
+                          "--nproc-per-node=8 --rdzv-id=123456 --rdzv-backend=c10d "
+                          "--rdzv-endpoint=node-a:23456 03-ddp/train_llm.py")

@@ -144,3 +144,6 @@ def test_a_mask_that_also_blanks_pad_rows_produces_nan():
     assert torch.isfinite(ours).all() and torch.isfinite(q.grad).all()
     # and at the real positions both masks agree
     torch.testing.assert_close(ours[0, :, :4], bad[0, :, :4].detach())
+    # current SDPA returns 0, not NaN, for a fully masked row (what the READMEs say)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q.detach(), k, v, attn_mask=widely_copied)
+    assert torch.isfinite(sdpa).all() and (sdpa[0, :, 4:] == 0).all()
