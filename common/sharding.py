@@ -1,0 +1,178 @@
+"""Measuring the sharded-training lesson (05-collectives/sharded_from_scratch.py); not
+the lesson itself.
+
+- `Comm`: all_gather / reduce_scatter / all_reduce that count what they carry, plus the
+  same counting for torch's DDP (a comm hook) and FSDP2 (its custom-collective hooks).
+- `local_bytes`, `optimizer_state_bytes`: bytes of the tensors a rank really holds
+  (a DTensor counts its local shard).
+- `peak_step_bytes`: the peak bytes of live tensors during one step, as torch's
+  MemTracker (a dispatch mode that sees every tensor created) counts them.
+- `memory_table`, `comm_table`, `plot`: the run's tables and figure.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+
+from .metrics import markdown_table
+
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (the old names warn).
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+# Bytes a bandwidth-optimal (ring) algorithm sends from each rank, per byte of the array
+# (the gathered output, the scattered input, the reduced tensor): nccl-tests' bus factors.
+RING_FACTOR = {"all_gather": lambda n: (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+               "all_reduce": lambda n: 2 * (n - 1) / n}
+
+
+class Comm:
+    """The collectives the sharded modes call, each counted: calls and array bytes per
+    kind. `sent_bytes()` converts them to what each rank sends with a ring algorithm."""
+
+    def __init__(self, world: int):
+        self.world = world
+        self.calls, self.array_bytes = Counter(), Counter()
+
+    def count(self, kind: str, tensor: torch.Tensor):
+        self.calls[kind] += 1
+        self.array_bytes[kind] += tensor.numel() * tensor.element_size()
+
+    def all_gather(self, output, shard) -> None:
+        self.count("all_gather", output)
+        all_gather_single(output, shard)
+
+    def reduce_scatter(self, shard, full) -> None:
+        self.count("reduce_scatter", full)
+        reduce_scatter_single(shard, full)
+
+    def sent_bytes(self) -> dict:
+        return {k: RING_FACTOR[k](self.world) * b for k, b in self.array_bytes.items()}
+
+    def ddp_hook(self):
+        """A DDP comm hook: torch's own allreduce_hook (divide by world size, all_reduce
+        the bucket), counted."""
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        def hook(state, bucket):
+            self.count("all_reduce", bucket.buffer())
+            return allreduce_hook(state, bucket)
+        return hook
+
+    def watch_fsdp2(self, modules):
+        """Count FSDP2's all-gathers and reduce-scatters through its documented hooks
+        (FSDPModule.set_custom_all_gather / set_custom_reduce_scatter), calling the same
+        collectives it would call itself."""
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import (DefaultAllGather,
+                                                                           DefaultReduceScatter)
+        comm = self
+
+        class CountedAllGather(DefaultAllGather):
+            def __call__(self, output_tensor, input_tensor, group, async_op=False):
+                comm.count("all_gather", output_tensor)
+                return super().__call__(output_tensor, input_tensor, group, async_op)
+
+        class CountedReduceScatter(DefaultReduceScatter):
+            def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+                comm.count("reduce_scatter", input_tensor)
+                return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+        for m in modules:
+            m.set_custom_all_gather(CountedAllGather())
+            m.set_custom_reduce_scatter(CountedReduceScatter())
+
+
+def textbook_sent_bytes(mode: str, param_bytes: int, world: int) -> float:
+    """Per rank per step: DDP's all-reduce and ZeRO-1's reduce-scatter + all-gather send
+    2(n-1)/n of the parameters' bytes; full sharding gathers twice: 3(n-1)/n."""
+    return (3 if mode in ("zero3", "fsdp2") else 2) * (world - 1) / world * param_bytes
+
+
+def local_bytes(tensors) -> int:
+    """Bytes of the tensors themselves on this rank (a DTensor: its local shard)."""
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        t = t.to_local() if hasattr(t, "to_local") else t
+        total += t.numel() * t.element_size()
+    return total
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    return local_bytes(v for state in optimizer.state.values() for v in state.values()
+                       if isinstance(v, torch.Tensor))
+
+
+def peak_step_bytes(step, *tracked) -> int:
+    """Run `step()` under torch's MemTracker and return the peak bytes of live tensors
+    on the device. `tracked`: modules, optimizers and tensors created before the step
+    (MemTracker only sees tensors created inside it, unless told). Not counted:
+    allocator caching and the communication library's own buffers."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(*(t for t in tracked if t is not None))
+    with tracker:
+        step()
+    peak = tracker.get_tracker_snapshot("peak")
+    return max(snap["Total"] for snap in peak.values())
+
+
+def _mib(n) -> str:
+    return f"{n / 2**20:,.2f}"
+
+
+def memory_table(results: dict) -> str:
+    header = ("mode", "params MiB", "grads MiB", "AdamW state MiB", "state vs DDP",
+              "peak in step MiB (MemTracker)")
+    ref = results.get("ddp", {}).get("bytes", {}).get("optimizer")
+    rows = [(m, _mib(r["bytes"]["params"]), _mib(r["bytes"]["grads"]), _mib(r["bytes"]["optimizer"]),
+             f"{100 * r['bytes']['optimizer'] / ref:.1f}%" if ref else "n/a",
+             _mib(r["bytes"]["peak_step"])) for m, r in results.items()]
+    return markdown_table(header, rows, right=range(1, len(header)))
+
+
+def comm_table(results: dict) -> str:
+    header = ("mode", "tokens/s", "vs DDP", "step ms (median)", "calls/step", "MiB sent/step (counted)",
+              "MiB sent/step (textbook)", "max rel diff vs DDP")
+    rows = []
+    for m, r in results.items():
+        calls = ", ".join(f"{v:g} {k}" for k, v in r["comm_calls_per_step"].items()) or "-"
+        rel = r.get("max_rel_diff_vs_ddp")
+        rows.append((m, f"{r['tokens_per_s']:,.0f}",
+                     f"{100 * r['tokens_per_s_vs_ddp']:.1f}%" if r.get("tokens_per_s_vs_ddp") else "n/a",
+                     f"{r['step_time_s_median'] * 1e3:,.1f}", calls,
+                     _mib(sum(r["comm_sent_bytes_per_step"].values())),
+                     _mib(r["textbook_sent_bytes_per_step"]),
+                     f"{rel:.2e}" if rel is not None else "n/a"))
+    return markdown_table(header, rows, right=(1, 2, 3, 5, 6, 7))
+
+
+def plot(results: dict, path, title: str) -> None:
+    """Per-rank bytes (stacked: params, grads, AdamW state; peak as a marker) and
+    tokens/s, one bar per mode."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = list(results)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    bottom = [0.0] * len(modes)
+    for key, label in (("params", "parameters"), ("grads", "gradients"), ("optimizer", "AdamW state")):
+        vals = [results[m]["bytes"][key] / 2**20 for m in modes]
+        ax1.bar(modes, vals, bottom=bottom, label=label)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax1.plot(modes, [results[m]["bytes"]["peak_step"] / 2**20 for m in modes], "k_",
+             markersize=30, label="peak in a step")
+    ax1.set_ylabel("MiB per rank")
+    ax1.legend(fontsize=8)
+    ax2.bar(modes, [results[m]["tokens_per_s"] for m in modes], color="tab:gray")
+    ax2.set_ylabel("tokens/s (all ranks)")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
