@@ -7,17 +7,23 @@ the lesson itself.
   (a DTensor counts its local shard).
 - `peak_step_bytes`: the peak bytes of live tensors during one step, as torch's
   MemTracker (a dispatch mode that sees every tensor created) counts them.
-- `memory_table`, `comm_table`, `plot`: the run's tables and figure.
+- `measure`, `max_over_ranks`, ...: a mode's results, over all ranks.
+- `start_summary`, `report`: the run's header, tables (printed), JSON and figure.
 """
 
 from __future__ import annotations
 
+import os
+import statistics
+import sys
+import time
 from collections import Counter
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from .metrics import markdown_table
+from .metrics import device_name, environment_info, markdown_table, write_json
 
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (the old names warn).
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -107,19 +113,109 @@ def optimizer_state_bytes(optimizer) -> int:
                        if isinstance(v, torch.Tensor))
 
 
-def peak_step_bytes(step, *tracked) -> int:
-    """Run `step()` under torch's MemTracker and return the peak bytes of live tensors
-    on the device. `tracked`: modules, optimizers and tensors created before the step
-    (MemTracker only sees tensors created inside it, unless told). Not counted:
-    allocator caching and the communication library's own buffers."""
+def peak_step_bytes(trainer, batch) -> float:
+    """One more step of `trainer` under torch's MemTracker: the peak bytes of live tensors
+    on the device (worst rank). MemTracker sees the tensors created inside it, plus the
+    model, optimizer and state we name; not allocator caching, nor the communication
+    library's own buffers. Untimed: it slows every operation down."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
+    params, grads = trainer.state_tensors()
     tracker = MemTracker()
-    tracker.track_external(*(t for t in tracked if t is not None))
+    tracker.track_external(trainer.model, trainer.optimizer, *(t for t in params + grads if t is not None))
     with tracker:
-        step()
+        trainer.step(*batch)
     peak = tracker.get_tracker_snapshot("peak")
-    return max(snap["Total"] for snap in peak.values())
+    return max_over_ranks(max(snap["Total"] for snap in peak.values()))
+
+
+def clock(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize()  # GPU work is asynchronous: wait before reading the clock
+    return time.perf_counter()
+
+
+def max_over_ranks(value: float) -> float:
+    t = torch.tensor([float(value)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def mean_over_ranks(losses) -> list[float]:
+    """Per step, the mean of the ranks' losses: the global batch's loss (equal token counts)."""
+    t = torch.stack(losses).double()
+    dist.all_reduce(t)
+    return (t / dist.get_world_size()).tolist()
+
+
+def max_difference_to_rank0(tensors) -> float:
+    """Largest |x - rank 0's x| over all elements and ranks: 0.0 means identical copies."""
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+    rank0 = flat.clone()
+    dist.broadcast(rank0, src=0)
+    return max_over_ranks((flat - rank0).abs().max().item())
+
+
+def start_summary(args, demo, num_params: int, tolerance: float) -> dict:
+    """The run's facts for the JSON; rank 0 announces the run."""
+    summary = {"world_size": demo.world, "backend": demo.backend, "device_name": device_name(demo.device),
+               "num_params": num_params, "tolerance": tolerance, "load_average_before": os.getloadavg()[0],
+               "tokens_per_step": demo.world * args.batch_size * args.seq_length, "args": vars(args)}
+    if demo.rank == 0:
+        print(f"{demo.world} ranks, {demo.backend}, {summary['device_name']}; {args.model_preset} "
+              f"preset, {num_params / 1e6:.2f} M parameters, {args.dtype}; {args.steps} steps of "
+              f"{summary['tokens_per_step']:,} tokens per mode, modes interleaved step by step", flush=True)
+    return summary
+
+
+def measure(trainer, warmup: int, tokens_per_step: int) -> dict:
+    """A mode's results, over all ranks: throughput from the median step (slowest rank)
+    after `warmup` (a median shrugs off steps that other programs slowed down), mean loss
+    per step, the bytes this rank holds between steps, and its collectives per step."""
+    t = trainer
+    steps, world = len(t.times), t.comm.world
+    times = torch.tensor(t.times, dtype=torch.float64)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    median = statistics.median(times[warmup:].tolist())
+    params, grads = t.state_tensors()
+    held = {"params": local_bytes(params), "grads": local_bytes(grads),
+            "optimizer": optimizer_state_bytes(t.optimizer)}
+    return {"losses": mean_over_ranks(t.losses), "step_times_s": times.tolist(),
+            "step_time_s_median": median, "tokens_per_s": tokens_per_step / median,
+            "bytes": {k: max_over_ranks(v) for k, v in held.items()},
+            "comm_calls_per_step": {k: v / steps for k, v in t.comm.calls.items()},
+            "comm_sent_bytes_per_step": {k: v / steps for k, v in t.comm.sent_bytes().items()},
+            "textbook_sent_bytes_per_step": textbook_sent_bytes(t.mode, t.param_bytes, world)}
+
+
+def report(summary: dict, results: dict, failures: list, run_dir: Path, name: str) -> None:
+    """Rank 0: print the two tables and the verdict, write <name>.json and <name>.png."""
+    world, a = summary["world_size"], summary["args"]
+    ddp = results.get("ddp", {}).get("tokens_per_s")
+    for r in results.values():
+        r["tokens_per_s_vs_ddp"] = r["tokens_per_s"] / ddp if ddp else None
+    print(f"\nper-rank bytes, {world} ranks (params, grads, AdamW state: held between steps):\n")
+    print(memory_table(results))
+    print("\nthroughput; bytes each rank sends per step (counted: the sizes of the collectives "
+          "called, as a ring algorithm sends them; textbook: 2(N-1)/N or 3(N-1)/N x the "
+          "parameters' bytes); proof:\n")
+    print(comm_table(results))
+    print(f"\nmedian step of steps {a['timing_warmup'] + 1}..{a['steps']}, slowest rank; load "
+          f"average {summary['load_average_before']:.2f} before, {os.getloadavg()[0]:.2f} after", flush=True)
+    run_dir.mkdir(parents=True, exist_ok=True)  # created only now, by rank 0 only
+    write_json(run_dir / f"{name}.json", {**summary, "load_average_after": os.getloadavg()[0],
+                                          "passed": not failures, "failures": failures, "modes": results,
+                                          "environment": environment_info(), "torch_version": torch.__version__})
+    plot(results, run_dir / f"{name}.png", f"{world} ranks, {summary['backend']}, "
+         f"{summary['device_name']}, {a['model_preset']}, {a['dtype']}")
+    print(f"outputs in {run_dir}", flush=True)
+    if failures:
+        print("FAILED: " + "; ".join(failures), file=sys.stderr, flush=True)
+    elif ddp:
+        worst = max(r["max_rel_diff_vs_ddp"] for r in results.values())
+        how = "bit for bit" if worst == 0.0 else \
+            f"to rounding (max relative difference {worst:.2g} <= {summary['tolerance']:.2g})"
+        print(f"OK: every mode's losses and weights equal DDP's after {a['steps']} steps, {how}", flush=True)
 
 
 def _mib(n) -> str:
@@ -141,7 +237,7 @@ def comm_table(results: dict) -> str:
               "MiB sent/step (textbook)", "max rel diff vs DDP")
     rows = []
     for m, r in results.items():
-        calls = ", ".join(f"{v:g} {k}" for k, v in r["comm_calls_per_step"].items()) or "-"
+        calls = ", ".join(f"{v:.3g} {k}" for k, v in r["comm_calls_per_step"].items()) or "-"
         rel = r.get("max_rel_diff_vs_ddp")
         rows.append((m, f"{r['tokens_per_s']:,.0f}",
                      f"{100 * r['tokens_per_s_vs_ddp']:.1f}%" if r.get("tokens_per_s_vs_ddp") else "n/a",
