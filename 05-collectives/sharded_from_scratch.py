@@ -7,14 +7,14 @@ DDP keeps everything whole on every rank: parameters, gradients, AdamW's two mom
   zero3  shards everything (ZeRO-3): each module's parameters are all-gathered before its
          forward and again before its backward, freed after each; gradients reduce-scattered;
   fsdp2  torch's fully_shard on every decoder layer, then on the whole model.
-Same initial weights, same batches, modes interleaved step by step; every mode's losses
-and final weights must equal DDP's within TOLERANCE, else exit status 1. Rank 0 prints
-the bytes each rank holds and sends, and tokens/s.
+Same weights and batches, modes interleaved step by step; losses and final weights must
+equal DDP's within TOLERANCE, else exit 1. Prints bytes held and sent per rank, tokens/s.
 
     torchrun --standalone --nproc-per-node=2 05-collectives/sharded_from_scratch.py
     torchrun --standalone --nproc-per-node=4 05-collectives/sharded_from_scratch.py --dtype fp64
 """
 
+import itertools
 import sys
 from pathlib import Path
 
@@ -29,7 +29,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.cli import (UsageError, comma_list, non_negative_int, one_of, positive_float,  # noqa: E402
                         positive_int, script_parser, seed_value)
-from common.data import IGNORE_INDEX, DataError, build_datasets, check_dataset_name, check_enough_samples, prepare  # noqa: E402
+from common.data import (IGNORE_INDEX, DataError, build_datasets, check_dataset_name,  # noqa: E402
+                         check_enough_samples, prepare)
 from common.distributed import DDP_NO_BUFFER_SYNC, destroy_process_group, start_demo  # noqa: E402
 from common.model import PRESETS, LlamaForCausalLM, get_config, num_parameters  # noqa: E402
 from common import sharding  # noqa: E402
@@ -53,8 +54,7 @@ def parse_args(argv=None):
     p.add_argument("--timing-warmup", type=non_negative_int, default=2, help="untimed first steps")
     p.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW learning rate (constant)")
     p.add_argument("--seed", type=seed_value, default=0, help="initial weights and data order")
-    p.add_argument("--modes", type=comma_list(*MODES), default=",".join(MODES),
-                   help=f"comma list of: {', '.join(MODES)}")
+    p.add_argument("--modes", type=comma_list(*MODES), default=",".join(MODES), help="comma list")
     p.add_argument("--dtype", type=one_of(*DTYPES), default="fp32", help="fp64: the tightest proof")
     p.add_argument("--dataset-name", default="stdlib", help="'stdlib' (offline), a hub id or a local path")
 
@@ -74,19 +74,14 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def adamw(decay, no_decay, lr):
+def adamw(lr, params=None, decay=(), no_decay=()):
     """The chapters' optimizer: weight decay 0.1 on matrices, none on 1-D norm weights."""
+    if params is not None:  # a whole model: each tensor's shape says which group it joins
+        decay, no_decay = [p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2]
     groups = [{"params": [t for t in ts if t.numel()], "weight_decay": wd}
               for ts, wd in ((decay, 0.1), (no_decay, 0.0))]
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=(0.9, 0.95))
 
-
-def by_dim(params):
-    params = list(params)
-    return [p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2]
-
-
-# ------------------------------------------ the flat shard: 1/N of a list of parameters
 
 class FlatShard:
     """Parameters laid end to end in one flat buffer, padded to a multiple of the world
@@ -99,7 +94,8 @@ class FlatShard:
 
     def __init__(self, params, rank, world, keep_full):
         self.params = sorted(params, key=lambda p: p.dim() < 2)  # stable: order kept
-        size = -(-sum(p.numel() for p in params) // world)  # S, rounded up
+        self.sizes = [p.numel() for p in self.params]
+        size = -(-sum(self.sizes) // world)  # S, rounded up
         decay_numel = sum(p.numel() for p in params if p.dim() >= 2)
         self.full = torch.zeros(size * world, dtype=params[0].dtype, device=params[0].device)
         for p, view in zip(self.params, self.views(self.full)):
@@ -115,10 +111,7 @@ class FlatShard:
 
     def views(self, flat):
         """One view of `flat` per parameter, shaped like it."""
-        offsets = [0]
-        for p in self.params:
-            offsets.append(offsets[-1] + p.numel())
-        return [flat[a:b].view_as(p) for p, a, b in zip(self.params, offsets, offsets[1:])]
+        return [v.view_as(p) for v, p in zip(flat[:sum(self.sizes)].split(self.sizes), self.params)]
 
 
 # ------------------------------------------------------------------------ the modes
@@ -130,9 +123,7 @@ class Trainer:
     def __init__(self, mode, args, config, demo):
         self.mode, self.args, self.demo = mode, args, demo
         self.comm = sharding.Comm(demo.world)
-        # The same seed on every rank: every rank builds the same initial weights (the
-        # sharded modes then keep only their part), and every mode starts from them.
-        torch.manual_seed(args.seed)
+        torch.manual_seed(args.seed)  # the same initial weights on every rank, in every mode
         self.model = LlamaForCausalLM(config).to(demo.device, DTYPES[args.dtype])
         self.param_bytes = sharding.local_bytes(self.model.parameters())
         self.forward_model, self.times, self.losses = self.model, [], []
@@ -143,7 +134,7 @@ class Trainer:
         self.forward_model = DDP(self.model, device_ids=[self.demo.device.index] if cuda else None,
                                  gradient_as_bucket_view=True, **DDP_NO_BUFFER_SYNC)
         self.forward_model.register_comm_hook(None, self.comm.ddp_hook())  # counts its bytes
-        self.optimizer = adamw(*by_dim(self.model.parameters()), self.args.lr)
+        self.optimizer = adamw(self.args.lr, list(self.model.parameters()))
 
     def before_forward(self):
         self.optimizer.zero_grad(set_to_none=False)  # DDP: the gradients are its buckets
@@ -180,8 +171,8 @@ class ZeRO1(Trainer):
         self.flat.grad_full = torch.zeros_like(self.flat.full)
         for p, g in zip(self.flat.params, self.flat.views(self.flat.grad_full)):
             p.grad = g  # backward accumulates into one flat buffer (like DDP's buckets)
-        # AdamW sees only this rank's slice: its two moments are 1/N of DDP's.
-        self.optimizer = adamw(self.flat.decay, self.flat.no_decay, self.args.lr)
+        self.optimizer = adamw(self.args.lr, decay=self.flat.decay,  # only our slice: AdamW's
+                               no_decay=self.flat.no_decay)  # two moments are 1/N of DDP's
 
     def before_forward(self):
         self.flat.grad_full.zero_()
@@ -199,10 +190,9 @@ class ZeRO1(Trainer):
 
 
 class ShardedUnit(FlatShard):
-    """ZeRO-3 for one module: its parameters are views of a flat buffer whose memory
-    exists only while the module computes. The storage is freed (resized to 0 bytes) and
-    re-filled in place by all_gather, so the parameter tensors, and the references
-    autograd saved to them, stay valid throughout."""
+    """ZeRO-3 for one module: its parameters are views of a flat buffer whose memory exists
+    only while the module computes: freed (storage resized to 0 bytes) and refilled in
+    place by all_gather, so the parameters, and autograd's references to them, stay valid."""
 
     def __init__(self, module, comm, rank, world):
         super().__init__(list(module.parameters()), rank, world, keep_full=False)
@@ -246,8 +236,8 @@ class ZeRO3(Trainer):
         m = self.model
         self.units = [ShardedUnit(module, self.comm, self.demo.rank, self.demo.world)
                       for module in (m.embed_tokens, *m.layers, m.norm, m.lm_head)]  # every parameter once
-        self.optimizer = adamw([t for u in self.units for t in u.decay],
-                               [t for u in self.units for t in u.no_decay], self.args.lr)
+        self.optimizer = adamw(self.args.lr, decay=[t for u in self.units for t in u.decay],
+                               no_decay=[t for u in self.units for t in u.no_decay])
 
     def state_tensors(self):
         return [u.shard for u in self.units], [u.grad_shard for u in self.units]
@@ -263,14 +253,13 @@ class ZeRO3(Trainer):
 
 class FSDP2(Trainer):
     def setup(self):
-        # One unit per decoder layer, then the root (embedding, final norm, head). Every
-        # parameter becomes a DTensor sharded on dim 0; fully_shard's hooks gather a unit
-        # before its forward and backward, free it after, and reduce-scatter its gradients.
+        # A unit per decoder layer, then the root (embedding, norm, head): each parameter
+        # becomes a DTensor sharded on dim 0, gathered and freed by fully_shard's hooks.
         for layer in self.model.layers:
             fully_shard(layer)
         fully_shard(self.model)
         self.comm.watch_fsdp2([*self.model.layers, self.model])
-        self.optimizer = adamw(*by_dim(self.model.parameters()), self.args.lr)
+        self.optimizer = adamw(self.args.lr, list(self.model.parameters()))
 
     def before_forward(self):
         self.optimizer.zero_grad(set_to_none=True)
@@ -304,18 +293,19 @@ def load_batches(args, demo):
     sampler = DistributedSampler(data.train, num_replicas=demo.world, rank=demo.rank, shuffle=True,
                                  seed=args.seed, drop_last=True)
     loader = DataLoader(data.train, batch_size=args.batch_size, sampler=sampler, drop_last=True)
-    batches, epoch = [], 0
-    while len(batches) < args.steps:
-        sampler.set_epoch(epoch)
-        batches += [(x.to(demo.device), y.to(demo.device)) for x, y in loader][:args.steps - len(batches)]
-        epoch += 1
-    return data, batches
+
+    def epochs():  # as many passes as --steps needs, each with its own shuffle
+        for epoch in itertools.count():
+            sampler.set_epoch(epoch)
+            yield from loader
+    return data, [(x.to(demo.device), y.to(demo.device)) for x, y in itertools.islice(epochs(), args.steps)]
 
 
 def run(args, demo):
     data, batches = load_batches(args, demo)
     config = get_config(args.model_preset, data.vocab_size)
-    summary = sharding.start_summary(args, demo, num_parameters(LlamaForCausalLM(config)), TOLERANCE[args.dtype])
+    n_params = num_parameters(LlamaForCausalLM(config))
+    summary = sharding.start_summary(args, demo, n_params, TOLERANCE[args.dtype])
 
     # One step of each mode in turn, rather than one mode after the other: a change in
     # the machine's load then hits every mode alike.
@@ -336,13 +326,6 @@ def run(args, demo):
     return 1 if failures else 0
 
 
-# ----------------------------------------------------------------------------- proof
-
-def relative_difference(params, reference) -> float:
-    """max over tensors of ||a - b|| / ||b||: 0.0 when equal (as in ddp_from_scratch.py)."""
-    return max(((a - b).norm() / (b.norm() + 1e-30)).item() for a, b in zip(params, reference))
-
-
 def prove(trainers, args):
     """Every mode's final weights (gathered whole) and per-step losses against DDP's."""
     finals = {mode: t.full_parameters() for mode, t in trainers.items()}
@@ -351,7 +334,7 @@ def prove(trainers, args):
     for mode in trainers:
         d = diffs[mode] = {
             "ranks_differ": sharding.max_difference_to_rank0(finals[mode]),
-            "weights_rel_diff_vs_ddp": sharding.max_over_ranks(relative_difference(finals[mode], finals["ddp"])),
+            "weights_rel_diff_vs_ddp": sharding.relative_difference(finals[mode], finals["ddp"]),
             "losses_rel_diff_vs_ddp": max(abs(a - b) / abs(b) for a, b in zip(losses[mode], losses["ddp"]))}
         d["max_rel_diff_vs_ddp"] = max(d["weights_rel_diff_vs_ddp"], d["losses_rel_diff_vs_ddp"])
         if d["ranks_differ"] != 0.0:

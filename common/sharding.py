@@ -148,6 +148,14 @@ def mean_over_ranks(losses) -> list[float]:
     return (t / dist.get_world_size()).tolist()
 
 
+def relative_difference(params, reference) -> float:
+    """max over tensors of ||a - b|| / ||b|| (as in ddp_from_scratch.py), worst rank: 0.0
+    when equal. A norm, not the worst element: Adam turns the rounding of a gradient that
+    nearly cancels across ranks into a visible difference in a handful of elements."""
+    return max_over_ranks(max(((a - b).norm() / (b.norm() + 1e-30)).item()
+                              for a, b in zip(params, reference)))
+
+
 def max_difference_to_rank0(tensors) -> float:
     """Largest |x - rank 0's x| over all elements and ranks: 0.0 means identical copies."""
     flat = torch.cat([t.detach().reshape(-1) for t in tensors])
