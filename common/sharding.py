@@ -17,6 +17,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -122,7 +123,9 @@ def peak_step_bytes(trainer, batch) -> float:
 
     params, grads = trainer.state_tensors()
     tracker = MemTracker()
-    tracker.track_external(trainer.model, trainer.optimizer, *(t for t in params + grads if t is not None))
+    with warnings.catch_warnings():  # it warns about every parameter whose .grad is None
+        warnings.simplefilter("ignore", UserWarning)
+        tracker.track_external(trainer.model, trainer.optimizer, *(t for t in params + grads if t is not None))
     with tracker:
         trainer.step(*batch)
     peak = tracker.get_tracker_snapshot("peak")
