@@ -1,8 +1,8 @@
 """Measuring the sharded-training lesson (05-collectives/sharded_from_scratch.py); not
 the lesson itself.
 
-- `Comm`: all_gather / reduce_scatter / all_reduce that count what they carry, plus the
-  same counting for torch's DDP (a comm hook) and FSDP2 (its custom-collective hooks).
+- `Comm`: all_gather and reduce_scatter that count what they carry, plus the same
+  counting for torch's DDP (a comm hook) and FSDP2 (its custom-collective hooks).
 - `local_bytes`, `optimizer_state_bytes`: bytes of the tensors a rank really holds
   (a DTensor counts its local shard).
 - `peak_step_bytes`: the peak bytes of live tensors during one step, as torch's
@@ -41,7 +41,7 @@ class Comm:
     kind. `sent_bytes()` converts them to what each rank sends with a ring algorithm."""
 
     def __init__(self, world: int):
-        self.world = world
+        self.world, self.counted = world, True
         self.calls, self.array_bytes = Counter(), Counter()
 
     def count(self, kind: str, tensor: torch.Tensor):
@@ -72,9 +72,13 @@ class Comm:
     def watch_fsdp2(self, modules):
         """Count FSDP2's all-gathers and reduce-scatters through its documented hooks
         (FSDPModule.set_custom_all_gather / set_custom_reduce_scatter), calling the same
-        collectives it would call itself."""
-        from torch.distributed.fsdp._fully_shard._fsdp_collectives import (DefaultAllGather,
-                                                                           DefaultReduceScatter)
+        collectives it would call itself. A torch without them: not counted."""
+        try:
+            from torch.distributed.fsdp._fully_shard._fsdp_collectives import (DefaultAllGather,
+                                                                               DefaultReduceScatter)
+        except ImportError:
+            self.counted = False
+            return
         comm = self
 
         class CountedAllGather(DefaultAllGather):
@@ -194,8 +198,9 @@ def measure(trainer, warmup: int, tokens_per_step: int) -> dict:
     return {"losses": mean_over_ranks(t.losses), "step_times_s": times.tolist(),
             "step_time_s_median": median, "tokens_per_s": tokens_per_step / median,
             "bytes": {k: max_over_ranks(v) for k, v in held.items()},
-            "comm_calls_per_step": {k: v / steps for k, v in t.comm.calls.items()},
-            "comm_sent_bytes_per_step": {k: v / steps for k, v in t.comm.sent_bytes().items()},
+            "comm_calls_per_step": {k: v / steps for k, v in t.comm.calls.items()} if t.comm.counted else None,
+            "comm_sent_bytes_per_step": ({k: v / steps for k, v in t.comm.sent_bytes().items()}
+                                         if t.comm.counted else None),
             "textbook_sent_bytes_per_step": textbook_sent_bytes(t.mode, t.param_bytes, world)}
 
 
@@ -248,12 +253,13 @@ def comm_table(results: dict) -> str:
               "MiB sent/step (textbook)", "max rel diff vs DDP")
     rows = []
     for m, r in results.items():
-        calls = ", ".join(f"{v:.3g} {k}" for k, v in r["comm_calls_per_step"].items()) or "-"
+        counted = r["comm_sent_bytes_per_step"] is not None
+        calls = ", ".join(f"{v:.3g} {k}" for k, v in r["comm_calls_per_step"].items()) if counted else "n/a"
         rel = r.get("max_rel_diff_vs_ddp")
         rows.append((m, f"{r['tokens_per_s']:,.0f}",
                      f"{100 * r['tokens_per_s_vs_ddp']:.1f}%" if r.get("tokens_per_s_vs_ddp") else "n/a",
                      f"{r['step_time_s_median'] * 1e3:,.1f}", calls,
-                     _mib(sum(r["comm_sent_bytes_per_step"].values())),
+                     _mib(sum(r["comm_sent_bytes_per_step"].values())) if counted else "n/a",
                      _mib(r["textbook_sent_bytes_per_step"]),
                      f"{rel:.2e}" if rel is not None else "n/a"))
     return markdown_table(header, rows, right=(1, 2, 3, 5, 6, 7))
@@ -274,7 +280,7 @@ def plot(results: dict, path, title: str) -> None:
         ax1.bar(modes, vals, bottom=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax1.plot(modes, [results[m]["bytes"]["peak_step"] / 2**20 for m in modes], "k_",
-             markersize=30, label="peak in a step")
+             markersize=30, label="peak in a step (MemTracker)")
     ax1.set_ylabel("MiB per rank")
     ax1.legend(fontsize=8)
     ax2.bar(modes, [results[m]["tokens_per_s"] for m in modes], color="tab:gray")
