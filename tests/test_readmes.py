@@ -29,6 +29,8 @@ SCRIPT_OVERRIDES = {
     "ddp_from_scratch.py": ["--model-preset", "tiny", "--seq-length", "64", "--batch-size", "4",
                             "--steps", "3"],
     "collectives_demo.py": [],
+    "sharded_from_scratch.py": ["--model-preset", "tiny", "--seq-length", "64", "--batch-size", "4",
+                                "--steps", "3", "--timing-warmup", "1"],
 }
 
 

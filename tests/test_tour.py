@@ -28,7 +28,7 @@ def test_plan_runs_every_chapter_in_order_as_the_readmes_launch_them(tmp_path):
     assert list(dict.fromkeys(s.chapter for s in plan)) == list(tour.CHAPTERS)
     assert [s.name for s in plan] == ["01-single-gpu", "02-data-parallel", "03-ddp",
                                       "04-checkpointing", "05-collectives-demo", "05-bench",
-                                      "05-ddp-from-scratch"]
+                                      "05-ddp-from-scratch", "05-sharded-from-scratch"]
     by_name = {s.name: s for s in plan}
     for name in ("01-single-gpu", "02-data-parallel"):
         assert by_name[name].display.startswith(f"python {name}/train_llm.py ")
@@ -75,7 +75,7 @@ def test_chapter_selection(tmp_path):
     plan = plan_for(tmp_path, "--chapters", "03,1")      # any order, with or without 0
     assert [s.name for s in plan] == ["01-single-gpu", "03-ddp"]
     plan = plan_for(tmp_path, "--chapters", "05-collectives")
-    assert {s.chapter for s in plan} == {"05-collectives"} and len(plan) == 3
+    assert {s.chapter for s in plan} == {"05-collectives"} and len(plan) == 4
     with pytest.raises(UsageError, match="unknown chapter '06'"):
         tour.parse_args(["--chapters", "01,06"], gpus=0)
     with pytest.raises(UsageError, match="only 2 GPU"):
@@ -175,7 +175,8 @@ def test_short_real_tour(tmp_path):
     for name in ("tokens_per_s.png", "step_time.png", "loss.png"):
         data = (out / name).read_bytes()
         assert data[:8] == PNG_SIGNATURE and len(data) > 1000
-    for log in ("01-single-gpu", "05-collectives-demo", "05-bench", "05-ddp-from-scratch"):
+    for log in ("01-single-gpu", "05-collectives-demo", "05-bench", "05-ddp-from-scratch",
+                "05-sharded-from-scratch"):
         assert (out / f"{log}.log").stat().st_size > 0
     assert "05 collective benchmark" in stdout and "all_reduce" in stdout
     assert "05 data parallelism from collectives" in stdout

@@ -1,0 +1,349 @@
+"""Chapter 05, part 4: sharding the training state, rebuilt from reduce_scatter and
+all_gather, beside torch's DDP and FSDP2, and proven equal to DDP.
+
+DDP keeps everything whole on every rank: parameters, gradients, AdamW's two moments.
+  zero1  shards the optimizer state (ZeRO-1): gradients reduce-scattered, each rank
+         updates its 1/N slice with its slice of AdamW's state, parameters all-gathered;
+  zero3  shards everything (ZeRO-3): each module's parameters are all-gathered before its
+         forward and again before its backward, freed after each; gradients reduce-scattered;
+  fsdp2  torch's fully_shard on every decoder layer, then on the whole model.
+Same weights and batches, modes interleaved step by step; losses and final weights must
+equal DDP's within TOLERANCE, else exit 1. Prints bytes held and sent per rank, tokens/s.
+
+    torchrun --standalone --nproc-per-node=2 05-collectives/sharded_from_scratch.py
+    torchrun --standalone --nproc-per-node=4 05-collectives/sharded_from_scratch.py --dtype fp64
+"""
+
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
+
+# Runnable from the repo root or from inside this folder, installed or not.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common.cli import (UsageError, comma_list, non_negative_int, one_of, positive_float,  # noqa: E402
+                        positive_int, script_parser, seed_value)
+from common.data import (IGNORE_INDEX, DataError, build_datasets, check_dataset_name,  # noqa: E402
+                         check_enough_samples, prepare)
+from common.distributed import DDP_NO_BUFFER_SYNC, destroy_process_group, start_demo  # noqa: E402
+from common.model import PRESETS, LlamaForCausalLM, get_config, num_parameters  # noqa: E402
+from common import sharding  # noqa: E402
+
+MODES = ("ddp", "zero1", "zero3", "fsdp2")
+DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+# The largest relative difference to DDP allowed (per weight tensor ||a - b|| / ||b||, and
+# per step's loss): 1024 units of rounding (2**-24 in fp32, 2**-53 in fp64). Only the order
+# in which the ranks' gradients are summed differs between the modes; the chapter README
+# shows what that costs (about 5 units here) and what real bugs cost (millions).
+TOLERANCE = {name: 1024 * torch.finfo(dtype).eps / 2 for name, dtype in DTYPES.items()}
+
+
+def parse_args(argv=None):
+    p = script_parser("05-sharded-from-scratch", "ZeRO-1 and ZeRO-3 from reduce_scatter + "
+                      "all_gather, beside DDP and FSDP2, proven equal to DDP.", min_world=2)
+    p.add_argument("--model-preset", default="small", type=one_of(*PRESETS), help="model size")
+    p.add_argument("--seq-length", type=positive_int, default=128, help="tokens per sample")
+    p.add_argument("--batch-size", type=positive_int, default=8, help="samples per step, per process")
+    p.add_argument("--steps", type=positive_int, default=8, help="optimizer steps per mode")
+    p.add_argument("--timing-warmup", type=non_negative_int, default=2, help="untimed first steps")
+    p.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW learning rate (constant)")
+    p.add_argument("--seed", type=seed_value, default=0, help="initial weights and data order")
+    p.add_argument("--modes", type=comma_list(*MODES), default=",".join(MODES), help="comma list")
+    p.add_argument("--dtype", type=one_of(*DTYPES), default="fp32", help="fp64: the tightest proof")
+    p.add_argument("--dataset-name", default="stdlib", help="'stdlib' (offline), a hub id or a local path")
+
+    def check(args):
+        max_pos = PRESETS[args.model_preset]["max_position_embeddings"]
+        if args.seq_length > max_pos:
+            raise UsageError(f"--seq-length {args.seq_length} exceeds the {args.model_preset!r} "
+                             f"preset's max_position_embeddings={max_pos}")
+        if args.steps <= args.timing_warmup:
+            raise UsageError(f"--steps {args.steps} leaves no step to time after "
+                             f"--timing-warmup {args.timing_warmup}")
+        try:
+            check_dataset_name(args.dataset_name)
+        except DataError as e:
+            raise UsageError(str(e)) from None
+    p.checks.insert(0, check)  # before "launch with torchrun": the flags come first
+    return p.parse_args(argv)
+
+
+def adamw(lr, params=None, decay=(), no_decay=()):
+    """The chapters' optimizer: weight decay 0.1 on matrices, none on 1-D norm weights."""
+    if params is not None:  # a whole model: each tensor's shape says which group it joins
+        decay, no_decay = [p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2]
+    groups = [{"params": [t for t in ts if t.numel()], "weight_decay": wd}
+              for ts, wd in ((decay, 0.1), (no_decay, 0.0))]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=(0.9, 0.95))
+
+
+class FlatShard:
+    """Parameters laid end to end in one flat buffer, padded to a multiple of the world
+    size N, so that rank r owns exactly elements [r*S, (r+1)*S) with S = ceil(numel/N).
+
+    Weight decay must apply per element exactly as in DDP. Matrices go first and 1-D
+    weights last, so a rank's slice splits into at most two pieces, one decayed and one
+    not; each piece becomes a tensor in the matching AdamW group. (The padding sits at
+    the very end, in the undecayed piece: its gradient is 0, so it stays 0.)"""
+
+    def __init__(self, params, rank, world, keep_full):
+        self.params = sorted(params, key=lambda p: p.dim() < 2)  # stable: order kept
+        self.sizes = [p.numel() for p in self.params]
+        size = -(-sum(self.sizes) // world)  # S, rounded up
+        decay_numel = sum(p.numel() for p in params if p.dim() >= 2)
+        self.full = torch.zeros(size * world, dtype=params[0].dtype, device=params[0].device)
+        for p, view in zip(self.params, self.views(self.full)):
+            view.copy_(p.detach())
+            p.data = view  # the model's parameter now lives inside the flat buffer
+        lo = rank * size
+        self.shard = self.full[lo:lo + size]  # zero1: a view; zero3: the only copy kept
+        self.shard = self.shard if keep_full else self.shard.clone()
+        self.grad_shard = torch.zeros_like(self.shard)
+        cut = min(max(decay_numel - lo, 0), size)
+        self.decay, self.no_decay = [self.shard[:cut]], [self.shard[cut:]]
+        self.decay[0].grad, self.no_decay[0].grad = self.grad_shard[:cut], self.grad_shard[cut:]
+
+    def views(self, flat):
+        """One view of `flat` per parameter, shaped like it."""
+        return [v.view_as(p) for v, p in zip(flat[:sum(self.sizes)].split(self.sizes), self.params)]
+
+
+# ------------------------------------------------------------------------ the modes
+
+class Trainer:
+    """One mode's model and optimizer; `step` records time and loss. This base is DDP;
+    the other modes override `setup` and the three hooks around the step."""
+
+    def __init__(self, mode, args, config, demo):
+        self.mode, self.args, self.demo = mode, args, demo
+        self.comm = sharding.Comm(demo.world)
+        torch.manual_seed(args.seed)  # the same initial weights on every rank, in every mode
+        self.model = LlamaForCausalLM(config).to(demo.device, DTYPES[args.dtype])
+        self.param_bytes = sharding.local_bytes(self.model.parameters())
+        self.forward_model, self.times, self.losses = self.model, [], []
+        self.setup()
+
+    def setup(self):
+        cuda = self.demo.device.type == "cuda"
+        self.forward_model = DDP(self.model, device_ids=[self.demo.device.index] if cuda else None,
+                                 gradient_as_bucket_view=True, **DDP_NO_BUFFER_SYNC)
+        self.forward_model.register_comm_hook(None, self.comm.ddp_hook())  # counts its bytes
+        self.optimizer = adamw(self.args.lr, list(self.model.parameters()))
+
+    def before_forward(self):
+        self.optimizer.zero_grad(set_to_none=False)  # DDP: the gradients are its buckets
+
+    def after_backward(self):
+        pass  # DDP all-reduced its buckets during backward
+
+    def after_update(self):
+        pass
+
+    def step(self, x, y):
+        t0 = sharding.clock(self.demo.device)
+        self.before_forward()
+        logits = self.forward_model(x)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), ignore_index=IGNORE_INDEX)
+        loss.backward()
+        self.after_backward()
+        self.optimizer.step()
+        self.after_update()
+        self.times.append(sharding.clock(self.demo.device) - t0)
+        self.losses.append(loss.detach())
+
+    def state_tensors(self):
+        """(parameters, gradients) this rank holds between steps."""
+        return list(self.model.parameters()), [p.grad for p in self.model.parameters()]
+
+    def full_parameters(self):
+        return [p.detach().clone() for p in self.model.parameters()]
+
+
+class ZeRO1(Trainer):
+    def setup(self):
+        self.flat = FlatShard(list(self.model.parameters()), self.demo.rank, self.demo.world, keep_full=True)
+        self.flat.grad_full = torch.zeros_like(self.flat.full)
+        for p, g in zip(self.flat.params, self.flat.views(self.flat.grad_full)):
+            p.grad = g  # backward accumulates into one flat buffer (like DDP's buckets)
+        self.optimizer = adamw(self.args.lr, decay=self.flat.decay,  # only our slice: AdamW's
+                               no_decay=self.flat.no_decay)  # two moments are 1/N of DDP's
+
+    def before_forward(self):
+        self.flat.grad_full.zero_()
+
+    def after_backward(self):
+        # Divide, then sum (DDP's order): rank r receives the average of slice r only.
+        self.comm.reduce_scatter(self.flat.grad_shard, self.flat.grad_full.div_(self.demo.world))
+
+    def after_update(self):
+        # Every rank updated its slice; all_gather puts every slice in everyone's buffer.
+        self.comm.all_gather(self.flat.full, self.flat.shard)
+
+    def state_tensors(self):
+        return [self.flat.full], [self.flat.grad_full, self.flat.grad_shard]
+
+
+class ShardedUnit(FlatShard):
+    """ZeRO-3 for one module: its parameters are views of a flat buffer whose memory exists
+    only while the module computes: freed (storage resized to 0 bytes) and refilled in
+    place by all_gather, so the parameters, and autograd's references to them, stay valid."""
+
+    def __init__(self, module, comm, rank, world):
+        super().__init__(list(module.parameters()), rank, world, keep_full=False)
+        self.comm, self.pending, self.grad_full = comm, len(self.params), None
+        self.free()
+        module.register_forward_pre_hook(lambda module, args: self.gather())
+        module.register_forward_hook(self.after_forward)
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self.grad_ready)
+
+    def gather(self):
+        self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
+        self.comm.all_gather(self.full, self.shard)
+
+    def free(self):
+        self.full.untyped_storage().resize_(0)
+
+    def after_forward(self, module, args, output):
+        self.free()  # freed until backward reaches this module, i.e. until the gradient
+        output.register_hook(self.before_backward)  # of its output is ready
+
+    def before_backward(self, grad_output):
+        self.gather()
+        self.grad_full = torch.zeros_like(self.full)  # this module's full gradients, briefly
+        for p, g in zip(self.params, self.views(self.grad_full)):
+            p.grad = g
+
+    def grad_ready(self, param):
+        self.pending -= 1
+        if self.pending == 0:  # all of this module's gradients are in: average, keep our slice
+            self.pending = len(self.params)
+            self.comm.reduce_scatter(self.grad_shard, self.grad_full.div_(self.comm.world))
+            for p in self.params:
+                p.grad = None
+            self.grad_full = None
+            self.free()
+
+
+class ZeRO3(Trainer):
+    def setup(self):
+        m = self.model
+        self.units = [ShardedUnit(module, self.comm, self.demo.rank, self.demo.world)
+                      for module in (m.embed_tokens, *m.layers, m.norm, m.lm_head)]  # every parameter once
+        self.optimizer = adamw(self.args.lr, decay=[t for u in self.units for t in u.decay],
+                               no_decay=[t for u in self.units for t in u.no_decay])
+
+    def state_tensors(self):
+        return [u.shard for u in self.units], [u.grad_shard for u in self.units]
+
+    def full_parameters(self):
+        for u in self.units:
+            u.gather()
+        params = super().full_parameters()
+        for u in self.units:
+            u.free()
+        return params
+
+
+class FSDP2(Trainer):
+    def setup(self):
+        # A unit per decoder layer, then the root (embedding, norm, head): each parameter
+        # becomes a DTensor sharded on dim 0, gathered and freed by fully_shard's hooks.
+        for layer in self.model.layers:
+            fully_shard(layer)
+        fully_shard(self.model)
+        self.comm.watch_fsdp2([*self.model.layers, self.model])
+        self.optimizer = adamw(self.args.lr, list(self.model.parameters()))
+
+    def before_forward(self):
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def full_parameters(self):
+        return [p.full_tensor().detach() for p in self.model.parameters()]
+
+
+TRAINERS = {"ddp": Trainer, "zero1": ZeRO1, "zero3": ZeRO3, "fsdp2": FSDP2}
+
+
+# ------------------------------------------------------------------------------ main
+
+def main():
+    args = parse_args()
+    demo = start_demo(args.timeout, deterministic=True)
+    try:
+        return run(args, demo)
+    finally:
+        destroy_process_group()
+
+
+def load_batches(args, demo):
+    """Each rank's shard of one shared shuffle (DistributedSampler, as in chapter 03),
+    loaded once before any timing and reused by every mode."""
+    def load():
+        data = build_datasets(args.dataset_name, args.seq_length, packed=True)
+        check_enough_samples(data.train, args.batch_size * demo.world)
+        return data
+    data = prepare(load)
+    sampler = DistributedSampler(data.train, num_replicas=demo.world, rank=demo.rank, shuffle=True,
+                                 seed=args.seed, drop_last=True)
+    loader = DataLoader(data.train, batch_size=args.batch_size, sampler=sampler, drop_last=True)
+
+    def epochs():  # as many passes as --steps needs, each with its own shuffle
+        for epoch in itertools.count():
+            sampler.set_epoch(epoch)
+            yield from loader
+    return data, [(x.to(demo.device), y.to(demo.device)) for x, y in itertools.islice(epochs(), args.steps)]
+
+
+def run(args, demo):
+    data, batches = load_batches(args, demo)
+    config = get_config(args.model_preset, data.vocab_size)
+    n_params = num_parameters(LlamaForCausalLM(config))
+    summary = sharding.start_summary(args, demo, n_params, TOLERANCE[args.dtype])
+
+    # One step of each mode in turn, rather than one mode after the other: a change in
+    # the machine's load then hits every mode alike.
+    trainers = {mode: TRAINERS[mode](mode, args, config, demo) for mode in args.modes}
+    for x, y in batches:
+        for t in trainers.values():
+            t.step(x, y)
+    results = {mode: sharding.measure(t, args.timing_warmup, summary["tokens_per_step"])
+               for mode, t in trainers.items()}
+    diffs, failures = prove(trainers, args) if "ddp" in trainers else ({}, [])
+    for mode, t in trainers.items():  # then one more step each, under the memory tracker
+        results[mode].update(diffs.get(mode, {}))
+        results[mode]["bytes"]["peak_step"] = sharding.peak_step_bytes(t, batches[0])
+    if demo.rank == 0:
+        sharding.report(summary, results, failures, Path(args.save_dir) / args.experiment_name,
+                        "sharded_from_scratch")
+    dist.barrier()  # nobody leaves while rank 0 still writes
+    return 1 if failures else 0
+
+
+def prove(trainers, args):
+    """Every mode's final weights (gathered whole) and per-step losses against DDP's."""
+    finals = {mode: t.full_parameters() for mode, t in trainers.items()}
+    losses = {mode: sharding.mean_over_ranks(t.losses) for mode, t in trainers.items()}
+    tolerance, diffs, failures = TOLERANCE[args.dtype], {}, []
+    for mode in trainers:
+        d = diffs[mode] = {
+            "ranks_differ": sharding.max_difference_to_rank0(finals[mode]),
+            "weights_rel_diff_vs_ddp": sharding.relative_difference(finals[mode], finals["ddp"]),
+            "losses_rel_diff_vs_ddp": max(abs(a - b) / abs(b) for a, b in zip(losses[mode], losses["ddp"]))}
+        d["max_rel_diff_vs_ddp"] = max(d["weights_rel_diff_vs_ddp"], d["losses_rel_diff_vs_ddp"])
+        if d["ranks_differ"] != 0.0:
+            failures.append(f"{mode}: ranks hold different weights (by {d['ranks_differ']:.3g})")
+        if d["max_rel_diff_vs_ddp"] > tolerance:
+            failures.append(f"{mode}: relative difference to DDP {d['max_rel_diff_vs_ddp']:.3g} > "
+                            f"{tolerance:.3g} ({args.dtype})")
+    return diffs, failures
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""Chapter 05, sharding: ZeRO-1, ZeRO-3 and FSDP2 end with DDP's losses and weights
+(bit for bit on 2 ranks, within 1024 units of fp64 rounding on 3 and 4), hold 1/N of
+the optimizer state, and send the bytes the textbook says; the shard layout keeps
+weight decay per element; a wrong result fails the proof; bad flags exit 2."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import load_script, python_cmd, read_json, run, torchrun_cmd
+
+SCRIPT = "05-collectives/sharded_from_scratch.py"
+sharded = load_script(SCRIPT)
+from common import sharding  # noqa: E402
+from common.distributed import Demo  # noqa: E402
+
+TINY = ["--model-preset", "tiny", "--seq-length", "32", "--batch-size", "2", "--steps", "3",
+        "--timing-warmup", "1"]
+
+
+# ------------------------------------------------------------------- unit tests
+
+def test_flat_shard_pads_splits_and_keeps_weight_decay_per_element():
+    a, norm, b = torch.randn(3, 4), torch.randn(5), torch.randn(2, 2)  # 21 elements
+    pieces = []
+    for rank in range(3):
+        params = [torch.nn.Parameter(t.clone()) for t in (a, norm, b)]
+        flat = sharded.FlatShard(params, rank, world=3, keep_full=True)
+        assert flat.full.numel() == 21 and flat.shard.numel() == 7  # 21 = 3 x 7, no padding needed
+        assert flat.params == [params[0], params[2], params[1]]  # matrices first, 1-D last
+        for p, t in zip(params, (a, norm, b)):  # the parameters now live in the flat buffer
+            assert torch.equal(p, t) and p.untyped_storage().data_ptr() == flat.full.untyped_storage().data_ptr()
+        pieces.append((flat.decay[0].numel(), flat.no_decay[0].numel()))
+        assert flat.decay[0].grad.shape == flat.decay[0].shape
+    # matrices: 12 + 4 = 16 elements: ranks 0 and 1 all decayed, rank 2 two decayed, five not
+    assert pieces == [(7, 0), (7, 0), (2, 5)]
+    params = [torch.nn.Parameter(torch.ones(2, 5)), torch.nn.Parameter(torch.ones(3))]
+    flat = sharded.FlatShard(params, 3, world=4, keep_full=False)  # 13 -> 4 x 4, 3 padding
+    assert flat.full.numel() == 16 and flat.shard.numel() == 4
+    assert flat.shard.tolist() == [1.0, 0.0, 0.0, 0.0]  # last norm element, then the padding
+    assert flat.decay[0].numel() == 0 and flat.no_decay[0].numel() == 4  # padding: no decay
+    assert flat.shard.untyped_storage().data_ptr() != flat.full.untyped_storage().data_ptr()
+
+
+def test_ring_bytes_and_textbook_volumes():
+    comm = sharding.Comm(world=4)
+    comm.count("all_gather", torch.zeros(100))  # 400 bytes gathered
+    comm.count("reduce_scatter", torch.zeros(100, dtype=torch.float64))  # 800 bytes scattered
+    assert comm.sent_bytes() == {"all_gather": 300.0, "reduce_scatter": 600.0}
+    assert sharding.textbook_sent_bytes("ddp", 1000, 4) == 1500.0
+    assert sharding.textbook_sent_bytes("zero1", 1000, 4) == 1500.0
+    assert sharding.textbook_sent_bytes("zero3", 1000, 4) == 2250.0
+
+
+@pytest.fixture
+def one_rank_group():
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield Demo(0, 1, torch.device("cpu"), "gloo")
+    dist.destroy_process_group()
+
+
+def test_the_proof_fails_on_a_wrong_weight(one_rank_group):
+    torch.set_num_threads(1)
+    args = argparse.Namespace(seed=0, dtype="fp64", lr=1e-3)
+    demo = one_rank_group
+    config = sharded.get_config("tiny", 300)
+    trainers = {m: sharded.TRAINERS[m](m, args, config, demo) for m in ("ddp", "zero1", "zero3")}
+    x = torch.randint(0, 300, (2, 16))
+    for t in trainers.values():
+        for _ in range(2):
+            t.step(x, x)
+    diffs, failures = sharded.prove(trainers, args)
+    assert failures == [] and all(d["max_rel_diff_vs_ddp"] == 0.0 for d in diffs.values())
+    with torch.no_grad():  # one weight off by far less than a bug would make it
+        trainers["zero1"].model.layers[0].mlp.up_proj.weight[0, 0] += 1e-9
+    diffs, failures = sharded.prove(trainers, args)
+    assert len(failures) == 1 and failures[0].startswith("zero1: relative difference to DDP")
+    assert 0 < diffs["zero1"]["weights_rel_diff_vs_ddp"] < 1e-8
+
+
+# ------------------------------------------------------------ bad input: exit 2
+
+@pytest.mark.parametrize("argv, message", [
+    (["--modes", "ddp,zero2"], "unknown zero2"),
+    (["--dtype", "fp16"], "unknown 'fp16'"),
+    (["--steps", "2", "--timing-warmup", "2"], "leaves no step to time"),
+    (["--model-preset", "huge"], "unknown 'huge'"),
+    (["--seq-length", "4096", "--model-preset", "tiny"], "exceeds the 'tiny' preset"),
+    (["--batch-size", "x"], "must be a whole number >= 1"),
+    ([], "launch with torchrun"),
+])
+def test_bad_flags_exit_2_with_one_line(tmp_path, argv, message):
+    save = tmp_path / "out"
+    proc = run(python_cmd(SCRIPT, *argv, "--save-dir", save), check=False, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
+    assert proc.stdout == "" and not save.exists()
+
+
+# ------------------------------------------------------------------ the proof
+
+def run_script(tmp_path, nproc, *flags):
+    proc = run(torchrun_cmd(nproc, SCRIPT, *TINY, *flags, "--save-dir", tmp_path,
+                            "--experiment-name", f"s{nproc}"), timeout=240)
+    return proc, read_json(tmp_path / f"s{nproc}" / "sharded_from_scratch.json")
+
+
+def test_every_mode_equals_ddp_bit_for_bit_on_2_ranks(tmp_path):
+    proc, result = run_script(tmp_path, 2)
+    assert "equal DDP's after 3 steps, bit for bit" in proc.stdout
+    assert "| zero3" in proc.stdout and "peak in step MiB (MemTracker)" in proc.stdout
+    assert (tmp_path / "s2" / "sharded_from_scratch.png").stat().st_size > 0
+    assert result["passed"] and result["world_size"] == 2 and result["args"]["dtype"] == "fp32"
+    modes = result["modes"]
+    assert list(modes) == ["ddp", "zero1", "zero3", "fsdp2"]
+    p_bytes = 4 * result["num_params"]
+    for m, r in modes.items():
+        # two ranks: a + b == b + a, and halving is exact, so nothing differs at all
+        assert r["max_rel_diff_vs_ddp"] == 0.0 and r["ranks_differ"] == 0.0, m
+        assert r["losses"] == modes["ddp"]["losses"], m
+        assert r["tokens_per_s"] > 0 and r["bytes"]["peak_step"] > 0
+    b = {m: r["bytes"] for m, r in modes.items()}
+    assert b["ddp"]["params"] == b["ddp"]["grads"] == p_bytes
+    assert b["zero1"]["optimizer"] <= 0.5 * b["ddp"]["optimizer"] + 64  # + the step counters
+    for m in ("zero3", "fsdp2"):  # everything halved (up to padding)
+        assert b[m]["params"] == pytest.approx(p_bytes / 2, rel=0.01), m
+        assert b[m]["grads"] == pytest.approx(p_bytes / 2, rel=0.01), m
+    sent = {m: sum(r["comm_sent_bytes_per_step"].values()) for m, r in modes.items()}
+    assert sent["ddp"] == pytest.approx(p_bytes)  # 2(N-1)/N x P, with N = 2
+    assert sent["ddp"] == pytest.approx(modes["ddp"]["textbook_sent_bytes_per_step"])
+    assert sent["zero1"] == pytest.approx(p_bytes, rel=1e-5)  # reduce-scatter + all-gather
+    assert modes["zero1"]["comm_calls_per_step"] == {"reduce_scatter": 1, "all_gather": 1}
+    assert sent["zero3"] == pytest.approx(1.5 * p_bytes, rel=1e-3)  # gathers twice: 3(N-1)/N
+    # FSDP2 keeps the root (embedding, head) gathered from forward to backward: less
+    assert p_bytes < sent["fsdp2"] < 1.5 * p_bytes
+
+
+@pytest.mark.parametrize("nproc", [3, 4])
+def test_every_mode_equals_ddp_within_fp64_rounding(tmp_path, nproc):
+    proc, result = run_script(tmp_path, nproc, "--dtype", "fp64")
+    assert "OK: every mode's losses and weights equal DDP's" in proc.stdout
+    assert result["passed"] and result["tolerance"] == pytest.approx(1024 * 2.0**-53)
+    modes = result["modes"]
+    for m, r in modes.items():
+        assert r["max_rel_diff_vs_ddp"] <= result["tolerance"] and r["ranks_differ"] == 0.0, m
+    for m in ("zero1", "zero3", "fsdp2"):  # AdamW's state: 1/N per rank (plus step counters)
+        share = modes[m]["bytes"]["optimizer"] / modes["ddp"]["bytes"]["optimizer"]
+        assert share == pytest.approx(1 / nproc, abs=0.005), m
+        if nproc == 4:
+            assert share <= 0.26, m
