@@ -1,7 +1,8 @@
 """The bookkeeping around a training loop, in one object a chapter calls per step and at
 the end: phase timing, the metrics window, the progress bar, `metrics.jsonl`,
 `summary.json` and the throughput table. Only rank 0 writes and shows anything; the
-other ranks time their steps all the same (their summary is never written).
+other ranks time their steps all the same (their summary is never written). Under
+torchrun it also asks the kernel to stop this worker (SIGTERM) if torchrun dies.
 
     tracker = Tracker(CHAPTER, run_dir, device, total_steps, tokens_per_step, log, rank=rank)
     tracker.start_step();  with tracker.phase("forward"): ...;  tracker.end_step()
@@ -19,13 +20,24 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from .durable import dir_size_mb
-from .metrics import (MetricsWriter, PhaseTimer, StepStats, build_summary, find_baseline,
-                      read_metrics, throughput_table, write_json, write_jsonl)
+from .metrics import (
+    MetricsWriter,
+    PhaseTimer,
+    StepStats,
+    build_summary,
+    find_baseline,
+    read_metrics,
+    throughput_table,
+    write_json,
+    write_jsonl,
+)
+from .stopping import exit_with_launcher
 
 
 class Tracker:
     def __init__(self, chapter: str, run_dir: Path, device, total_steps: int,
                  tokens_per_step: int, log, rank: int = 0, start_step: int = 0):
+        exit_with_launcher()  # under torchrun: stop (SIGTERM) if torchrun itself dies
         self.chapter, self.run_dir, self.device, self.logger = chapter, Path(run_dir), device, log
         self.total_steps, self.tokens_per_step, self.rank = total_steps, tokens_per_step, rank
         self.timer, self.stats = PhaseTimer(device), StepStats()
