@@ -63,8 +63,10 @@ def copy_run(src_run_dir, save_dir):
 
 
 def snapshot(folder) -> dict:
+    """Every file's size and modification time, but the lock file (.owner names whoever
+    holds the folder now, so each run rewrites it)."""
     return {p.relative_to(folder).as_posix(): (p.stat().st_size, p.stat().st_mtime_ns)
-            for p in sorted(folder.rglob("*"))}
+            for p in sorted(folder.rglob("*")) if p.name != ".owner"}
 
 
 def assert_same_as_uninterrupted(run_dir, reference):
