@@ -38,8 +38,8 @@ def test_without_gpus_it_trains_the_plain_module_and_says_so(runs, name):
     assert f"WARNING {NOTE}" in log
     assert summary["notes"] == [NOTE]
     assert "| note " in table and NOTE in table
-    assert summary["data_parallel"] is False and summary["num_devices"] == 1
-    assert summary["loss_in_module"] is (name == "dp-loss-in-module")
+    assert summary["num_devices"] == 1
+    assert summary["args"]["loss_in_module"] is (name == "dp-loss-in-module")
 
 
 @pytest.mark.parametrize("name", ["dp", "dp-loss-in-module"])

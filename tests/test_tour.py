@@ -122,7 +122,7 @@ def test_non_empty_out_is_refused_and_dry_run_runs_nothing(tmp_path, capsys):
     fresh = tmp_path / "fresh"
     proc = run([sys.executable, "-m", "common.tour", "--dry-run", "--out", fresh])
     lines = [l for l in proc.stdout.splitlines() if l.startswith("[")]
-    assert len(lines) == 7
+    assert len(lines) == 8  # 01-04, then 05's demo, benchmark, DDP and sharding from scratch
     assert lines[0].startswith("[1/5] 01-single-gpu: python 01-single-gpu/train_llm.py")
     assert lines[3].startswith("[4/5] 04-checkpointing: torchrun --standalone "
                                "--nproc-per-node=2 --max-restarts=3 04-checkpointing/train_llm.py")
