@@ -217,9 +217,10 @@ def train_tokenizer(texts, vocab_size: int = DEFAULT_VOCAB_SIZE):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
+    # the trainer's own progress bars, where someone watches: training takes ~15 s here
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+                                  show_progress=show_progress())
     tok.train_from_iterator(texts, trainer=trainer)
     return tok
 
@@ -473,3 +474,9 @@ def fixed_batches(dataset_name: str, seq_len: int, batch_size: int, count: int, 
         batches += [(x.to(device), y.to(device)) for x, y in itertools.islice(loader, count - len(batches))]
         epoch += 1
     return data, batches
+
+
+def show_progress() -> bool:
+    """Progress bars for long quiet work: in a terminal, or when the tour asks for them
+    (LLM_GUIDE_PROGRESS=1: it shows its children's output in a terminal through a pipe)."""
+    return os.environ.get("LLM_GUIDE_PROGRESS") == "1" or sys.stderr.isatty()

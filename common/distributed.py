@@ -88,3 +88,21 @@ def start_demo(timeout_s: float, *, deterministic: bool = False) -> Demo:
         backend, device = "gloo", torch.device("cpu")
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
     return Demo(dist.get_rank(), dist.get_world_size(), device, backend)
+
+
+def share_cpu_threads() -> tuple[int, int]:
+    """The same CPU budget per machine in every chapter: each process gets the machine's
+    usable cores divided by the processes training on it (counted across the process
+    group, so two torchruns on one machine count as two). LLM_GUIDE_THREADS overrides.
+    Returns (threads per process, processes on this machine)."""
+    import socket
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    here = 1
+    if dist.is_available() and dist.is_initialized():
+        hosts = [None] * dist.get_world_size()
+        dist.all_gather_object(hosts, socket.gethostname())
+        here = hosts.count(socket.gethostname())
+    threads = int(os.environ.get("LLM_GUIDE_THREADS") or max(1, (cores or 1) // here))
+    torch.set_num_threads(threads)
+    return threads, here

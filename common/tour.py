@@ -264,6 +264,8 @@ def run_step(step: Step, log_path: Path, quiet: bool) -> int:
     """Run one command, its output streamed live (unless quiet) and saved to the log.
     Raw bytes pass through, so progress bars keep working in a terminal."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **step.env}
+    if not quiet and sys.stdout.isatty():  # the children see a pipe: ask them for bars anyway
+        env["LLM_GUIDE_PROGRESS"] = "1"
     with open(log_path, "wb") as log:
         log.write(f"$ {step.display}\n".encode())
         log.flush()

@@ -12,6 +12,7 @@ torchrun it also asks the kernel to stop this worker (SIGTERM) if torchrun dies.
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -19,6 +20,8 @@ import torch
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from .data import show_progress
+from .distributed import share_cpu_threads
 from .durable import dir_size_mb
 from .metrics import (
     MetricsWriter,
@@ -38,6 +41,9 @@ class Tracker:
     def __init__(self, chapter: str, run_dir: Path, device, total_steps: int,
                  tokens_per_step: int, log, rank: int = 0, start_step: int = 0):
         exit_with_launcher()  # under torchrun: stop (SIGTERM) if torchrun itself dies
+        # like for like: every chapter gets the same CPU threads per machine (a collective)
+        self.threads, self.processes_here = share_cpu_threads()
+        self.load_max = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
         self.chapter, self.run_dir, self.device, self.logger = chapter, Path(run_dir), device, log
         self.total_steps, self.tokens_per_step, self.rank = total_steps, tokens_per_step, rank
         self.timer, self.stats = PhaseTimer(device), StepStats()
@@ -56,7 +62,7 @@ class Tracker:
         if self._redirect:
             self._redirect.__enter__()
         self.bar = tqdm(total=total_steps, initial=start_step, desc=chapter, dynamic_ncols=True,
-                        disable=None if rank == 0 else True)
+                        disable=not show_progress() if rank == 0 else True)
 
     def phase(self, name: str):
         """`with tracker.phase("forward"):` times the block into this step's split."""
@@ -74,6 +80,8 @@ class Tracker:
     def log(self, step: int, **values):
         """One metrics line (rank 0): the values given, the window's tokens/s, this
         step's phase times; then the progress bar and the log line."""
+        if self.load_max is not None:  # the machine's load while this run trains
+            self.load_max = max(self.load_max, os.getloadavg()[0])
         if self.rank == 0:
             record = {"step": step, **values,
                       "tokens_per_s": self.window_tokens / max(self.window_time, 1e-12),
@@ -117,6 +125,8 @@ class Tracker:
                 and summary["world_size"] == 1:  # one process, several GPUs (DataParallel)
             summary["peak_memory_per_device_mb"] = [torch.cuda.max_memory_allocated(i) / 2**20
                                                     for i in range(torch.cuda.device_count())]
+        summary.update(threads_per_process=self.threads, processes_per_machine=self.processes_here,
+                       cpu_cores=os.cpu_count(), load_avg_max=self.load_max)
         if self.saves:
             size_mb, save_s = self.saves[-1][0], sum(t for _, t in self.saves) / len(self.saves)
             summary["checkpoint"] = {"count": len(self.saves), "size_mb": size_mb, "save_s": save_s,
