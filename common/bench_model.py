@@ -6,9 +6,9 @@
 
 For each preset, two kinds of step on random tokens: forward + cross-entropy +
 backward (the model alone), and a full training step as chapter 01 takes it (that,
-then gradient clipping, AdamW and zero_grad). Each runs eager, then with the model
-compiled by `torch.compile` (inductor). A compiled model's first step compiles it: its
-time is reported as the compile time, apart. Then every variant runs `--warmup`
+then gradient clipping, AdamW and zero_grad). Each runs eager, then with the loss
+function (model and cross-entropy together) compiled by `torch.compile` (inductor). The
+first compiled step compiles: its time is reported as the compile time, apart. Then every variant runs `--warmup`
 untimed steps and `--iters` timed ones; the table reports the median step as tokens/s,
 model FLOP/s and MFU against the device's peak (`python -m common.peak`: the
 datasheet's where known, else measured). On CUDA bf16 autocast, as the chapters by
@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from contextlib import nullcontext
-
 import torch
 import torch.nn.functional as F
 
@@ -31,13 +29,13 @@ from .model import PRESETS, LlamaForCausalLM, flops_per_token, get_config, num_p
 from .peak import Peak, device_peak, sync
 
 
-def forward_backward(model, x, y, autocast=nullcontext()):
-    """Loss (as the chapters compute it) and its gradients; returns the loss."""
-    with autocast:
+def loss_of(model, x, y, bf16: bool = False):
+    """Mean next-token cross-entropy, as the chapters compute it (bf16 autocast for the
+    model on CUDA by default). This whole function is what gets compiled: the loss
+    fused with the model, not the model alone."""
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=bf16):
         logits = model(x)
-    loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
-    loss.backward()
-    return loss
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
 
 
 def make_optimizer(model, device: torch.device) -> torch.optim.Optimizer:
@@ -46,26 +44,37 @@ def make_optimizer(model, device: torch.device) -> torch.optim.Optimizer:
                              fused=device.type == "cuda")
 
 
-def train_step(model, optimizer, x, y, autocast=nullcontext()):
+def forward_backward(loss_fn, model, x, y, bf16: bool = False):
+    """The loss and its gradients (left in .grad); returns the loss."""
+    loss = loss_fn(model, x, y, bf16)
+    loss.backward()
+    return loss
+
+
+def train_step(loss_fn, model, optimizer, x, y, bf16: bool = False):
     """One training step as chapter 01 takes it; returns the loss."""
-    loss = forward_backward(model, x, y, autocast)
+    loss = forward_backward(loss_fn, model, x, y, bf16)
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss
 
 
-def step_times(step, iters: int, warmup: int, device: torch.device) -> list[float]:
-    """Seconds of each of `iters` timed calls of `step`, after `warmup` untimed ones."""
+def step_times(steps: dict, iters: int, warmup: int, device: torch.device) -> dict:
+    """Seconds of each of `iters` timed calls of every step function, after `warmup`
+    untimed ones. The functions take turns, so that a machine shared with other work
+    slows them alike and their ratio stays fair."""
     for _ in range(warmup):
-        step()
-    times = []
+        for step in steps.values():
+            step()
+    times = {name: [] for name in steps}
     for _ in range(iters):
-        sync(device)
-        t0 = time.perf_counter()
-        step()
-        sync(device)
-        times.append(time.perf_counter() - t0)
+        for name, step in steps.items():
+            sync(device)
+            t0 = time.perf_counter()
+            step()
+            sync(device)
+            times[name].append(time.perf_counter() - t0)
     return times
 
 
@@ -90,27 +99,28 @@ def bench_preset(preset: str, batch_size: int, seq_len: int, iters: int, warmup:
     fpt = flops_per_token(config, n_params, seq_len)
     ids = torch.randint(0, vocab_size, (batch_size, seq_len + 1), device=device)
     x, y = ids[:, :-1], ids[:, 1:]
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
-                else nullcontext())
+    bf16 = device.type == "cuda"
     optimizer = make_optimizer(model, device)
 
-    def steps_of(m):
+    def steps_of(loss_fn):
         def fwd_bwd():
-            forward_backward(m, x, y, autocast)
-            m.zero_grad(set_to_none=True)
+            forward_backward(loss_fn, model, x, y, bf16)
+            model.zero_grad(set_to_none=True)
         return {"forward+backward": fwd_bwd,
-                "training step": lambda: train_step(m, optimizer, x, y, autocast)}
+                "training step": lambda: train_step(loss_fn, model, optimizer, x, y, bf16)}
 
-    modes = {"eager": model}
+    modes = {"eager": loss_of}
     compile_s = None
     if compile:
-        compiled = torch.compile(model)
+        compiled = torch.compile(loss_of)
         compile_s = first_call_seconds(steps_of(compiled)["forward+backward"], device)
         modes["compiled"] = compiled
     rows = []
-    for mode, m in modes.items():
-        for kind, step in steps_of(m).items():
-            median = statistics.median(step_times(step, iters, warmup, device))
+    for kind in ("forward+backward", "training step"):
+        times = step_times({mode: steps_of(loss_fn)[kind] for mode, loss_fn in modes.items()},
+                           iters, warmup, device)
+        for mode, seconds in times.items():
+            median = statistics.median(seconds)
             tokens_per_s = batch_size * seq_len / median
             rows.append({"preset": preset, "params": n_params, "batch": batch_size,
                          "seq": seq_len, "mode": mode, "step": kind, "step_s": median,
