@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from .data import DEFAULT_VOCAB_SIZE
 from .metrics import device_name, format_flops, markdown_table
 from .model import PRESETS, LlamaForCausalLM, flops_per_token, get_config, num_parameters
-from .peak import Peak, device_peak, sync
+from .peak import Peak, device_peak, implausible_mfu_note, sync
 
 
 def loss_of(model, x, y, bf16: bool = False):
@@ -184,6 +184,9 @@ def main(argv=None):
             print(f"{preset}: torch.compile took {result['compile_s']:.1f} s "
                   f"(its first forward+backward; not in the table)", flush=True)
     print(table(rows))
+    note = implausible_mfu_note(max(r["mfu"] for r in rows), peak)
+    if note:
+        print(note)
 
 
 if __name__ == "__main__":

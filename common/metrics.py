@@ -322,7 +322,7 @@ def build_summary(*, chapter: str, args, world_size: int, device, dtype: str,
                   extra: dict | None = None, peak=None) -> dict:
     """Everything summary.json holds. `peak` (a `common.peak.Peak`) defaults to the
     device's: its datasheet peak, else the measured one (measured once, then cached)."""
-    from .peak import device_peak
+    from .peak import device_peak, implausible_mfu_note
 
     name = device_name(device)
     tps = stats.tokens_per_s()
@@ -366,6 +366,9 @@ def build_summary(*, chapter: str, args, world_size: int, device, dtype: str,
         "args": {k: v for k, v in vars(args).items()},
     }
     summary.update(extra or {})
+    note = implausible_mfu_note(summary["mfu"], peak)
+    if note:
+        summary["notes"] = [*summary.get("notes", []), note]
     return summary
 
 

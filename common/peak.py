@@ -166,6 +166,16 @@ def device_peak(device: torch.device | str, dtype: str, *,
     return Peak(measured_peak(device, precision, cache_dir=cache_dir), precision, "measured")
 
 
+def implausible_mfu_note(mfu: float, peak: Peak) -> str | None:
+    """A note when MFU exceeds 100%: a measured peak taken while other work loaded the
+    device is too low, and stays cached until re-measured."""
+    if mfu <= 1.0:
+        return None
+    return (f"MFU over 100%: the {peak.source} peak ({format_flops(peak.flops)}) is too low"
+            + (" (measured while the device was busy?): re-measure it with "
+               "`python -m common.peak --remeasure`" if peak.source == "measured" else ""))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m common.peak",
                                 description=__doc__.split("\n\n")[0],

@@ -262,3 +262,11 @@ def test_peak_memory_on_cpu():
     mb, kind = peak_memory_mb("cpu")
     assert kind == "process_peak_rss"
     assert 10 < mb < 1e6   # torch alone takes tens of MB; never absurd units
+
+
+def test_mfu_over_100_percent_asks_to_remeasure_the_peak():
+    s = summary_for(peak=Peak(5e9, "fp32", "measured"))      # 10.24 GFLOP/s achieved
+    assert s["mfu"] > 1
+    assert any("--remeasure" in note for note in s["notes"])
+    assert "--remeasure" in throughput_table(s)
+    assert "notes" not in summary_for(peak=Peak(95e9, "fp32", "measured"))
