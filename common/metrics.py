@@ -175,10 +175,16 @@ class StepStats:
 
     def end_window(self) -> Window:
         """Close the window of steps added since the last call: its wall time (one wait
-        for the device) and mean phase times."""
-        wall = self.timer.end_window() if self.timer else 0.0
-        self.read_times(synced=True)
+        for the device) and mean phase times. Call it at every logged step and after
+        the last step: steps of a window never closed count in the phase split only."""
         steps = self.steps[self.window_first:]
+        if not steps and self.windows:
+            return self.windows[-1][1]  # closed already, at the end of the warm-up
+        if self.timer is None:          # steps added as dicts: no wall time, phase sums
+            return Window(len(steps), sum(n for _, n in steps),
+                          sum(sum(t.values()) for t, _ in steps), mean_times(steps))
+        wall = self.timer.end_window()
+        self.read_times(synced=True)
         window = Window(len(steps), sum(n for _, n in steps), wall, mean_times(steps))
         if steps:
             self.windows.append((self.window_first, window))

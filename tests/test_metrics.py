@@ -114,6 +114,18 @@ def test_phases_are_read_once_per_window_without_waiting_at_boundaries(monkeypat
     assert len(stats.steps) == 6 and len(stats.measured()) == 4
 
 
+def test_a_log_at_the_end_of_the_warmup_gets_the_window_just_closed(monkeypatch):
+    clock = FakeDeviceClock([float(t) for t in range(8)])
+    timer, stats = PhaseTimer("cuda", clock=clock), StepStats(warmup=2)
+    fake_clock(monkeypatch, [0.0, 5.0])
+    for _ in range(2):
+        run_phases(timer, ["forward", "backward"])
+        stats.add(timer, tokens=10)        # the 2nd closes the warm-up window
+    window = stats.end_window()            # a log at step 2: the same window, no new wait
+    assert (window.steps, window.wall_s, window.tokens_per_s) == (2, 5.0, 4.0)
+    assert clock.syncs == 1
+
+
 def test_phase_times_and_wall_time_agree_on_cpu():
     """On a CPU work is done when a call returns, so the phase split adds up to the
     step's wall time, but for the loop's own few statements between phases."""
