@@ -6,13 +6,13 @@
 
 For each preset, two kinds of step on random tokens: forward + cross-entropy +
 backward (the model alone), and a full training step as chapter 01 takes it (that,
-then gradient clipping, AdamW and zero_grad). Each runs eager, then with the loss
-function (model and cross-entropy together) compiled by `torch.compile` (inductor). The
-first compiled step compiles: its time is reported as the compile time, apart. Then every variant runs `--warmup`
-untimed steps and `--iters` timed ones; the table reports the median step as tokens/s,
-model FLOP/s and MFU against the device's peak (`python -m common.peak`: the
-datasheet's where known, else measured). On CUDA bf16 autocast, as the chapters by
-default; on CPU fp32.
+then gradient clipping, AdamW and zero_grad). Each runs eager, and with the loss
+function (model and cross-entropy together) compiled by `torch.compile` (inductor).
+The first compiled step compiles: its time is reported apart, as the compile time.
+Then every variant runs `--warmup` untimed steps and `--iters` timed ones, eager and
+compiled taking turns; the table reports the median step as tokens/s, model FLOP/s
+and MFU against the device's peak (`python -m common.peak`: the datasheet's where
+known, else measured). On CUDA bf16 autocast, as the chapters by default; on CPU fp32.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+
 import torch
 import torch.nn.functional as F
 
