@@ -1,13 +1,18 @@
-"""Forward + backward throughput of the model presets on this machine.
+"""Throughput and MFU of the model presets on this machine, eager and torch.compile'd.
 
     python -m common.bench_model                       # tiny and small, cuda if present
+    python -m common.bench_model --presets small --no-compile
     python -m common.bench_model --presets base --batch-size 16 --seq-length 1024
 
-Each preset runs a few warm-up steps (allocator, kernel selection), then `--iters`
-timed steps of forward, cross-entropy loss and backward on random tokens; the table
-reports the median step as tokens/s, and MFU where the device's peak is known. No
-optimizer step: this measures the model alone. On CUDA it uses bf16 autocast, as the
-chapters do by default; on CPU fp32.
+For each preset, two kinds of step on random tokens: forward + cross-entropy +
+backward (the model alone), and a full training step as chapter 01 takes it (that,
+then gradient clipping, AdamW and zero_grad). Each runs eager, and with the loss
+function (model and cross-entropy together) compiled by `torch.compile` (inductor).
+The first compiled step compiles: its time is reported apart, as the compile time.
+Then every variant runs `--warmup` untimed steps and `--iters` timed ones, eager and
+compiled taking turns; the table reports the median step as tokens/s, model FLOP/s
+and MFU against the device's peak (`python -m common.peak`: the datasheet's where
+known, else measured). On CUDA bf16 autocast, as the chapters by default; on CPU fp32.
 """
 
 from __future__ import annotations
@@ -20,57 +25,122 @@ import torch
 import torch.nn.functional as F
 
 from .data import DEFAULT_VOCAB_SIZE
-from .metrics import device_name, markdown_table
-from .model import PRESETS, LlamaForCausalLM, flops_per_token, get_config, mfu, num_parameters
+from .metrics import device_name, format_flops, markdown_table
+from .model import PRESETS, LlamaForCausalLM, flops_per_token, get_config, num_parameters
+from .peak import Peak, device_peak, implausible_mfu_note, sync
 
 
-def sync(device: torch.device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def loss_of(model, x, y, bf16: bool = False):
+    """Mean next-token cross-entropy, as the chapters compute it (bf16 autocast for the
+    model on CUDA by default). This whole function is what gets compiled: the loss
+    fused with the model, not the model alone."""
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=bf16):
+        logits = model(x)
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
+
+
+def make_optimizer(model, device: torch.device) -> torch.optim.Optimizer:
+    # chapter 01's settings (weight-decay groups aside: they do not change the cost)
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95),
+                             fused=device.type == "cuda")
+
+
+def forward_backward(loss_fn, model, x, y, bf16: bool = False):
+    """The loss and its gradients (left in .grad); returns the loss."""
+    loss = loss_fn(model, x, y, bf16)
+    loss.backward()
+    return loss
+
+
+def train_step(loss_fn, model, optimizer, x, y, bf16: bool = False):
+    """One training step as chapter 01 takes it; returns the loss."""
+    loss = forward_backward(loss_fn, model, x, y, bf16)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+def step_times(steps: dict, iters: int, warmup: int, device: torch.device) -> dict:
+    """Seconds of each of `iters` timed calls of every step function, after `warmup`
+    untimed ones. The functions take turns, so that a machine shared with other work
+    slows them alike and their ratio stays fair."""
+    for _ in range(warmup):
+        for step in steps.values():
+            step()
+    times = {name: [] for name in steps}
+    for _ in range(iters):
+        for name, step in steps.items():
+            sync(device)
+            t0 = time.perf_counter()
+            step()
+            sync(device)
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def first_call_seconds(step, device: torch.device) -> float:
+    """Wall time of one call: for a freshly compiled model, the compile time (plus one
+    step, small beside it)."""
+    sync(device)
+    t0 = time.perf_counter()
+    step()
+    sync(device)
+    return time.perf_counter() - t0
 
 
 def bench_preset(preset: str, batch_size: int, seq_len: int, iters: int, warmup: int,
-                 device: torch.device, vocab_size: int) -> dict:
+                 device: torch.device, vocab_size: int, peak: Peak, compile: bool) -> dict:
+    """One row per (mode, step kind), and the compile time (None without compile)."""
     config = get_config(preset, vocab_size)
     seq_len = min(seq_len, config.max_position_embeddings)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(device)
     n_params = num_parameters(model)
+    fpt = flops_per_token(config, n_params, seq_len)
     ids = torch.randint(0, vocab_size, (batch_size, seq_len + 1), device=device)
     x, y = ids[:, :-1], ids[:, 1:]
-    use_bf16 = device.type == "cuda"
+    bf16 = device.type == "cuda"
+    optimizer = make_optimizer(model, device)
 
-    def step():
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
-            logits = model(x)
-        loss = F.cross_entropy(logits.float().view(-1, vocab_size), y.reshape(-1))
-        loss.backward()
-        model.zero_grad(set_to_none=True)
+    def steps_of(loss_fn):
+        def fwd_bwd():
+            forward_backward(loss_fn, model, x, y, bf16)
+            model.zero_grad(set_to_none=True)
+        return {"forward+backward": fwd_bwd,
+                "training step": lambda: train_step(loss_fn, model, optimizer, x, y, bf16)}
 
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(iters):
-        sync(device)
-        t0 = time.perf_counter()
-        step()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    median = statistics.median(times)
-    tokens_per_s = batch_size * seq_len / median
-    fpt = flops_per_token(config, n_params, seq_len)
-    return {"preset": preset, "params": n_params, "batch": batch_size, "seq": seq_len,
-            "step_s": median, "tokens_per_s": tokens_per_s,
-            "mfu": mfu(tokens_per_s, fpt, device_name(device)),
-            "tflops": tokens_per_s * fpt / 1e12}
+    modes = {"eager": loss_of}
+    compile_s = None
+    if compile:
+        compiled = torch.compile(loss_of)
+        compile_s = first_call_seconds(steps_of(compiled)["forward+backward"], device)
+        modes["compiled"] = compiled
+    rows = []
+    for kind in ("forward+backward", "training step"):
+        times = step_times({mode: steps_of(loss_fn)[kind] for mode, loss_fn in modes.items()},
+                           iters, warmup, device)
+        for mode, seconds in times.items():
+            median = statistics.median(seconds)
+            tokens_per_s = batch_size * seq_len / median
+            rows.append({"preset": preset, "params": n_params, "batch": batch_size,
+                         "seq": seq_len, "mode": mode, "step": kind, "step_s": median,
+                         "tokens_per_s": tokens_per_s, "model_flops_per_s": tokens_per_s * fpt,
+                         "mfu": tokens_per_s * fpt / peak.flops})
+    for row in rows:
+        eager = next(r for r in rows if r["step"] == row["step"] and r["mode"] == "eager")
+        row["speedup"] = row["tokens_per_s"] / eager["tokens_per_s"]
+    return {"rows": rows, "compile_s": compile_s}
 
 
 def table(rows: list[dict]) -> str:
-    header = ["preset", "params", "batch×seq", "median step", "tokens/s", "TFLOP/s", "MFU"]
-    body = [[r["preset"], f"{r['params'] / 1e6:.2f} M", f"{r['batch']}×{r['seq']}",
-             f"{r['step_s'] * 1e3:,.1f} ms", f"{r['tokens_per_s']:,.0f}", f"{r['tflops']:.3f}",
-             "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"] for r in rows]
-    return markdown_table(header, body, right=range(1, len(header)))
+    header = ["preset", "params", "batch×seq", "mode", "step", "median step", "tokens/s",
+              "model FLOP/s", "MFU", "vs eager"]
+    body = [[r["preset"], f"{r['params'] / 1e6:.2f} M", f"{r['batch']}×{r['seq']}", r["mode"],
+             r["step"], f"{r['step_s'] * 1e3:,.1f} ms", f"{r['tokens_per_s']:,.0f}",
+             format_flops(r["model_flops_per_s"]), f"{100 * r['mfu']:.1f}%",
+             f"{r['speedup']:.2f}x"] for r in rows]
+    return markdown_table(header, body, right={1, 2, 5, 6, 7, 8, 9})
 
 
 def main(argv=None):
@@ -84,6 +154,8 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=5, help="timed steps (the median is reported)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
+    p.add_argument("--no-compile", dest="compile", action="store_false",
+                   help="eager only: skip torch.compile (and its compile time)")
     p.add_argument("--device", default="auto",
                    help="auto (cuda if available, else cpu), cpu, cuda:N")
     args = p.parse_args(argv)
@@ -98,13 +170,24 @@ def main(argv=None):
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error(f"--device {args.device}: CUDA is not available here")
 
+    dtype = "bf16" if device.type == "cuda" else "fp32"
+    peak = device_peak(device, dtype)
     print(f"device: {device_name(device)}; dtype: "
-          f"{'bf16 autocast' if device.type == 'cuda' else 'fp32'}; torch {torch.__version__}"
-          f" ({torch.get_num_threads()} threads); forward+backward, median of {args.iters}"
-          f" steps after {args.warmup} warm-up", flush=True)
-    rows = [bench_preset(preset, args.batch_size, args.seq_length, args.iters, args.warmup,
-                         device, args.vocab_size) for preset in args.presets]
+          f"{'bf16 autocast' if dtype == 'bf16' else 'fp32'}; torch {torch.__version__}"
+          f" ({torch.get_num_threads()} threads); median of {args.iters} steps after"
+          f" {args.warmup} warm-up; MFU against {peak.label()}", flush=True)
+    rows = []
+    for preset in args.presets:
+        result = bench_preset(preset, args.batch_size, args.seq_length, args.iters,
+                              args.warmup, device, args.vocab_size, peak, args.compile)
+        rows += result["rows"]
+        if result["compile_s"] is not None:
+            print(f"{preset}: torch.compile took {result['compile_s']:.1f} s "
+                  f"(its first forward+backward; not in the table)", flush=True)
     print(table(rows))
+    note = implausible_mfu_note(max(r["mfu"] for r in rows), peak)
+    if note:
+        print(note)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,27 @@
 """Timing, throughput, memory, and the run's output files.
 
-- `PhaseTimer`: wall time of data / forward / backward / update per step. On CUDA it
-  synchronises at each phase boundary, otherwise asynchronous kernels would charge
-  their time to whichever phase happens to wait for them.
-- `StepStats`: averages over the measured steps (the first `warmup` steps are left
-  out: allocator growth, kernel selection and caches make them unrepresentative).
+- `PhaseTimer`: how long data / forward / backward / update take in each step. It never
+  waits for the device at a phase boundary: on CUDA each boundary records an event in
+  the stream, and the events are read once per logging window (`StepStats.end_window`).
+- `StepStats`: the steps and the logging windows of a run. The headline tokens/s is
+  uninstrumented wall time over whole windows; the phase split is an estimate (on a GPU
+  the device time between boundaries, which overlaps the host's work). Both leave out
+  the first `warmup` steps: allocator growth, kernel selection and caches make them
+  unrepresentative.
 - `MetricsWriter`: `metrics.jsonl`, one JSON object per logged step.
-- `write_summary` / `throughput_table`: `summary.json` and the Markdown table printed
-  at the end of every run.
+- `build_summary` / `throughput_table`: `summary.json` and the Markdown table printed
+  at the end of every run, with MFU against the device's peak (`common.peak`).
+
+A chapter's loop:
+
+    timer, stats = PhaseTimer(device), StepStats()
+    for ...:
+        timer.reset()                      # a step starts
+        with timer.phase("data"): ...      # likewise forward, backward, update
+        stats.add(timer, tokens_per_step)  # no wait for the device
+        if logging:
+            window = stats.end_window()    # one wait for the device per window
+            window.tokens_per_s, window.phase_s
 """
 
 from __future__ import annotations
@@ -20,6 +34,7 @@ import socket
 import sys
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -27,53 +42,193 @@ import torch
 PHASES = ("data", "forward", "backward", "update")
 
 
+class WallClock:
+    """Phase boundaries as host time: right where the work is done when a call returns
+    (CPU)."""
+
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    def sync(self):
+        pass
+
+    def seconds(self, start: float, end: float) -> float:
+        return end - start
+
+
+class CudaEventClock:
+    """Phase boundaries as CUDA events recorded in the current stream. Recording does
+    not wait: the host runs ahead and queues the next kernels. An event's time can be
+    read once the device has passed it, so `seconds` is called only after `sync`."""
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+
+    def mark(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def sync(self):
+        torch.cuda.synchronize(self.device)
+
+    def seconds(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
+        return start.elapsed_time(end) / 1e3  # milliseconds
+
+
+def phase_seconds(clock, marks: list[tuple[str, object, object]]) -> dict[str, float]:
+    """Seconds per phase from (phase, start mark, end mark); a phase entered twice in a
+    step (gradient accumulation) adds up. The clock must have been synced."""
+    times = dict.fromkeys(PHASES, 0.0)
+    for name, start, end in marks:
+        times[name] = times.get(name, 0.0) + clock.seconds(start, end)
+    return times
+
+
 class PhaseTimer:
-    def __init__(self, device: torch.device | str = "cpu"):
-        self.cuda = torch.device(device).type == "cuda"
-        self.times: dict[str, float] = {}
+    """Marks the phases of the current step and when the open logging window began.
+    `clock` defaults to CUDA events on a CUDA device, host time elsewhere."""
+
+    def __init__(self, device: torch.device | str = "cpu", clock=None):
+        cuda = torch.device(device).type == "cuda"
+        self.clock = clock or (CudaEventClock(device) if cuda else WallClock())
+        self.marks: list[tuple[str, object, object]] = []
+        self.window_start: float | None = None
 
     def reset(self):
-        self.times = {p: 0.0 for p in PHASES}
+        """A step starts; so does a window, if none is open."""
+        if self.window_start is None:
+            self.window_start = time.perf_counter()
+        self.marks = []
 
     @contextmanager
     def phase(self, name: str):
-        if self.cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        start = self.clock.mark()
         try:
             yield
         finally:
-            if self.cuda:
-                torch.cuda.synchronize()
-            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
+            self.marks.append((name, start, self.clock.mark()))
+
+    @property
+    def times(self) -> dict[str, float]:
+        """This step's seconds per phase. On CUDA this waits for the device: once per
+        logged step at most (`StepStats.end_window` reads a whole window with one wait)."""
+        self.clock.sync()
+        return phase_seconds(self.clock, self.marks)
+
+    def end_window(self) -> float:
+        """Wall seconds since the window began, after the device has finished the
+        window's work (the one wait); the next `reset` opens a new window."""
+        self.clock.sync()
+        start, self.window_start = self.window_start, None
+        return 0.0 if start is None else time.perf_counter() - start
+
+
+@dataclass
+class Window:
+    """The steps between two logs: wall time and the mean phase split of a step."""
+    steps: int
+    tokens: int
+    wall_s: float
+    phase_s: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
 
 
 class StepStats:
-    """Per-step phase times and token counts; means over steps after `warmup`."""
+    """Per-step phase times and token counts, and the logging windows' wall times.
+
+    `add(timer, tokens)` keeps the step's marks unread; `end_window()` reads them all
+    with one wait for the device and times the window. `add(times_dict, tokens)` (phase
+    seconds already read) still works; without windows, tokens/s falls back to the sum
+    of phase times."""
 
     def __init__(self, warmup: int = 2):
         self.warmup = warmup
         self.steps: list[tuple[dict, int]] = []
+        self.windows: list[tuple[int, Window]] = []   # (index of its first step, window)
+        self.timer: PhaseTimer | None = None
+        self.unread: list[tuple[dict, list]] = []     # (times to fill in, marks)
+        self.window_first = 0                         # index of the open window's first step
 
-    def add(self, phase_times: dict, tokens: int):
-        self.steps.append((dict(phase_times), tokens))
+    def add(self, timer_or_times, tokens: int):
+        if isinstance(timer_or_times, PhaseTimer):
+            self.timer, times = timer_or_times, {}
+            self.unread.append((times, timer_or_times.marks))
+        else:
+            times = dict(timer_or_times)
+        self.steps.append((times, tokens))
+        if self.timer is not None and len(self.steps) == self.warmup:
+            self.end_window()  # one extra wait, so that no window mixes warm-up and measured steps
+
+    def read_times(self, synced: bool = False):
+        """Fill in the phase times of steps added from the timer (waits for the device
+        unless it was just synced)."""
+        if self.unread:
+            if not synced:
+                self.timer.clock.sync()
+            for times, marks in self.unread:
+                times.update(phase_seconds(self.timer.clock, marks))
+            self.unread = []
+
+    def end_window(self) -> Window:
+        """Close the window of steps added since the last call: its wall time (one wait
+        for the device) and mean phase times. Call it at every logged step and after
+        the last step: steps of a window never closed count in the phase split only."""
+        steps = self.steps[self.window_first:]
+        if not steps and self.windows:
+            return self.windows[-1][1]  # closed already, at the end of the warm-up
+        if self.timer is None:          # steps added as dicts: no wall time, phase sums
+            return Window(len(steps), sum(n for _, n in steps),
+                          sum(sum(t.values()) for t, _ in steps), mean_times(steps))
+        wall = self.timer.end_window()
+        self.read_times(synced=True)
+        window = Window(len(steps), sum(n for _, n in steps), wall, mean_times(steps))
+        if steps:
+            self.windows.append((self.window_first, window))
+        self.window_first = len(self.steps)
+        return window
 
     def measured(self):
         # leave warm-up steps out, unless that would leave nothing
+        self.read_times()
         return self.steps[self.warmup:] if len(self.steps) > self.warmup else self.steps
 
+    def measured_windows(self) -> list[Window]:
+        """Windows that hold no warm-up step, unless that would leave nothing."""
+        late = [w for first, w in self.windows if first >= self.warmup]
+        return late or [w for _, w in self.windows]
+
     def mean_phase_times(self) -> dict:
-        steps = self.measured()
-        if not steps:
-            return {p: 0.0 for p in (*PHASES, "total")}
-        out = {p: sum(t.get(p, 0.0) for t, _ in steps) / len(steps) for p in PHASES}
+        out = mean_times(self.measured())
         out["total"] = sum(out.values())
         return out
 
+    def wall_time_per_step(self) -> float:
+        """Mean wall seconds of a measured step; the phase sum when no window closed."""
+        windows = self.measured_windows()
+        steps = sum(w.steps for w in windows)
+        if steps:
+            return sum(w.wall_s for w in windows) / steps
+        return self.mean_phase_times()["total"]
+
     def tokens_per_s(self) -> float:
+        windows = self.measured_windows()
+        if windows:
+            wall = sum(w.wall_s for w in windows)
+            return sum(w.tokens for w in windows) / wall if wall > 0 else 0.0
         steps = self.measured()
         total_time = sum(sum(t.values()) for t, _ in steps)
         return sum(n for _, n in steps) / total_time if total_time > 0 else 0.0
+
+
+def mean_times(steps: list[tuple[dict, int]]) -> dict[str, float]:
+    """Mean seconds per phase over (times, tokens) steps; zeros for no steps."""
+    if not steps:
+        return dict.fromkeys(PHASES, 0.0)
+    return {p: sum(t.get(p, 0.0) for t, _ in steps) / len(steps) for p in PHASES}
 
 
 def peak_memory_mb(device: torch.device | str) -> tuple[float, str]:
@@ -171,7 +326,7 @@ def write_jsonl(path: str | os.PathLike, records: list[dict]):
 def write_json(path: str | os.PathLike, obj: dict):
     """Write beside the target and rename, so readers never see half a file."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # concurrent writers: one each
     tmp.write_text(json.dumps(obj, indent=2) + "\n")
     os.replace(tmp, path)
 
@@ -180,12 +335,16 @@ def build_summary(*, chapter: str, args, world_size: int, device, dtype: str,
                   num_params: int, flops_per_token: float, stats: StepStats,
                   tokens_per_step: int, final_loss: float | None, val_loss: float | None,
                   wall_time_s: float, num_devices: int = 1, backend: str | None = None,
-                  extra: dict | None = None) -> dict:
-    from .model import mfu
+                  extra: dict | None = None, peak=None) -> dict:
+    """Everything summary.json holds. `peak` (a `common.peak.Peak`) defaults to the
+    device's: its datasheet peak, else the measured one (measured once, then cached)."""
+    from .peak import device_peak, implausible_mfu_note
 
     name = device_name(device)
     tps = stats.tokens_per_s()
     per_device = tps / max(1, num_devices)
+    peak = peak or device_peak(device, dtype)
+    model_flops_per_s = per_device * flops_per_token
     peak_mb, peak_kind = peak_memory_mb(device)
     summary = {
         "chapter": chapter,
@@ -206,11 +365,16 @@ def build_summary(*, chapter: str, args, world_size: int, device, dtype: str,
         "measured_steps": len(stats.measured()),
         "tokens_per_s": tps,
         "tokens_per_s_per_device": per_device,
+        "step_wall_s": stats.wall_time_per_step(),
         "step_time_s": stats.mean_phase_times(),
         "peak_memory_mb": peak_mb,
         "peak_memory_kind": peak_kind,
         "flops_per_token": flops_per_token,
-        "mfu": mfu(per_device, flops_per_token, name),
+        "model_flops_per_s": model_flops_per_s,
+        "peak_flops": peak.flops,
+        "peak_source": peak.source,
+        "peak_precision": peak.precision,
+        "mfu": model_flops_per_s / peak.flops,
         "final_loss": final_loss,
         "val_loss": val_loss,
         "wall_time_s": wall_time_s,
@@ -218,6 +382,9 @@ def build_summary(*, chapter: str, args, world_size: int, device, dtype: str,
         "args": {k: v for k, v in vars(args).items()},
     }
     summary.update(extra or {})
+    note = implausible_mfu_note(summary["mfu"], peak)
+    if note:
+        summary["notes"] = [*summary.get("notes", []), note]
     return summary
 
 
@@ -229,6 +396,26 @@ def _fmt(v, digits=1):
     if isinstance(v, int):
         return f"{v:,}"
     return str(v)
+
+
+def format_flops(flops: float) -> str:
+    """e.g. '95.3 GFLOP/s', '989 TFLOP/s'."""
+    for unit, scale in (("PFLOP/s", 1e15), ("TFLOP/s", 1e12), ("GFLOP/s", 1e9)):
+        if flops >= scale:
+            return f"{flops / scale:,.3g} {unit}"
+    return f"{flops / 1e6:,.3g} MFLOP/s"
+
+
+def peak_label(flops: float, precision: str, source: str) -> str:
+    """e.g. '95.3 GFLOP/s (measured fp32 matmul peak)'."""
+    return f"{format_flops(flops)} ({source} {precision} matmul peak)"
+
+
+def mfu_text(s: dict) -> str:
+    """'23.4% of 95.3 GFLOP/s (measured fp32 matmul peak)', from a summary."""
+    if s.get("mfu") is None:
+        return "n/a (no peak FLOP/s)"
+    return f"{100 * s['mfu']:.1f}% of {peak_label(s['peak_flops'], s['peak_precision'], s['peak_source'])}"
 
 
 def throughput_rows(s: dict) -> list[tuple[str, str]]:
@@ -244,14 +431,17 @@ def throughput_rows(s: dict) -> list[tuple[str, str]]:
         ("tokens per step", _fmt(s["tokens_per_step"])),
         ("tokens/s total", _fmt(s["tokens_per_s"])),
         ("tokens/s per device", _fmt(s["tokens_per_s_per_device"])),
-        ("step time (ms)", f"{total * 1e3:.1f}"),
+        ("step time (ms, wall)", f"{s.get('step_wall_s', total) * 1e3:.1f}"),
+        ("phase split (estimate)", f"{total * 1e3:.1f} ms timed in phases"),
     ]
     for p in PHASES:
         rows.append((f"  {p}", f"{st[p] * 1e3:.1f} ms ({100 * st[p] / total:.1f}%)"))
     rows.append(("peak memory", f"{s['peak_memory_mb']:,.0f} MB ({s['peak_memory_kind']})"))
     for i, mb in enumerate(s.get("peak_memory_per_device_mb") or []):
         rows.append((f"  device {i}", f"{mb:,.0f} MB"))
-    rows.append(("MFU", f"{100 * s['mfu']:.1f}%" if s.get("mfu") is not None else "n/a (no known peak FLOPs)"))
+    if s.get("model_flops_per_s") is not None:
+        rows.append(("model FLOP/s per device", format_flops(s["model_flops_per_s"])))
+    rows.append(("MFU", mfu_text(s)))
     if s.get("scaling_efficiency") is not None:
         rows.append(("scaling efficiency", f"{100 * s['scaling_efficiency']:.1f}% vs {s.get('baseline', 'baseline')}"))
     ck = s.get("checkpoint")

@@ -1,4 +1,4 @@
-"""The Llama model every chapter trains, plus FLOP and MFU helpers.
+"""The Llama model every chapter trains, and the FLOPs it computes per token.
 
 Standard Llama architecture: RMSNorm before each block, rotary position embeddings
 (rotate-half convention), grouped-query attention through
@@ -241,36 +241,26 @@ def num_parameters(model: nn.Module, exclude_embeddings: bool = False) -> int:
     return n
 
 
+def non_matmul_params(config: LlamaConfig) -> int:
+    """Parameters that take part in no matrix multiply: the embedding table (a row
+    lookup) and the RMSNorm gains (an elementwise scale), two per layer plus the final."""
+    h = config.hidden_size
+    return config.vocab_size * h + (2 * config.num_hidden_layers + 1) * h
+
+
 def flops_per_token(config: LlamaConfig, num_params: int, seq_len: int) -> float:
-    """Training FLOPs per token: 6N for the matmuls (forward 2N, backward 4N) plus
-    12·L·H·Q·T for attention scores and values (L layers, H heads, Q head dim, T tokens)."""
+    """Training FLOPs per token of what the model computes.
+
+    `num_params` is the model's full count (`num_parameters(model)`). Each weight that
+    multiplies an activation costs 2 FLOPs forward and 4 backward (the gradients of the
+    input and of the weight), hence 6 per matmul weight: every `nn.Linear` including the
+    untied `lm_head`, but not the embedding lookup nor the norm gains. Attention adds
+    QK^T and attention-times-V, 2·2·H·Q·T FLOPs per token and layer forward, 3x that for
+    training: 12·L·H·Q·T (L layers, H query heads, Q head dim, T sequence length). That
+    is the usual convention (PaLM, nanoGPT, torchtitan): it counts the full T×T score
+    matrix although a causal kernel may skip the masked half."""
     L, H, Q = config.num_hidden_layers, config.num_attention_heads, config.head_dim
-    return 6 * num_params + 12 * L * H * Q * seq_len
-
-
-# bf16 dense peak TFLOP/s (no sparsity), matched by substring of the device name.
-PEAK_TFLOPS_BF16 = {
-    "H100 SXM": 989.0,
-    "H100 80GB HBM3": 989.0,
-    "H200": 989.0,
-    "A100": 312.0,
-}
-
-
-def peak_flops(device_name: str) -> float | None:
-    """Peak bf16 FLOP/s of a known device, or None (no MFU rather than a wrong one)."""
-    for key, tflops in PEAK_TFLOPS_BF16.items():
-        if key.lower() in device_name.lower():
-            return tflops * 1e12
-    return None
-
-
-def mfu(tokens_per_s_per_device: float, flops_per_tok: float, device_name: str) -> float | None:
-    """Model FLOPs utilisation: achieved FLOP/s over the device's peak."""
-    peak = peak_flops(device_name)
-    if peak is None:
-        return None
-    return tokens_per_s_per_device * flops_per_tok / peak
+    return 6 * (num_params - non_matmul_params(config)) + 12 * L * H * Q * seq_len
 
 
 def describe(config: LlamaConfig) -> str:
@@ -279,4 +269,4 @@ def describe(config: LlamaConfig) -> str:
 
 __all__ = ["LlamaConfig", "PRESETS", "get_config", "LlamaForCausalLM", "RMSNorm",
            "RotaryEmbedding", "apply_rotary", "rotate_half", "num_parameters",
-           "flops_per_token", "peak_flops", "mfu", "describe"]
+           "non_matmul_params", "flops_per_token", "describe"]

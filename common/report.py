@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .cli import DEFAULT_SAVE_DIR, Parser
-from .metrics import PHASES, markdown_table
+from .metrics import PHASES, format_flops, markdown_table
 
 # Keys without which a summary cannot be placed in the table.
 REQUIRED_KEYS = ("chapter", "experiment_name", "launcher", "world_size", "num_devices",
@@ -106,6 +106,10 @@ def _num(v, digits=1, scale=1.0, suffix=""):
     return "n/a" if v is None else f"{v * scale:,.{digits}f}{suffix}"
 
 
+def _flops(v):
+    return "n/a" if v is None else format_flops(v)
+
+
 def table_rows(runs: list[Run]) -> list[dict]:
     """One dict of formatted cells per run, in table order."""
     rows = []
@@ -129,7 +133,10 @@ def table_rows(runs: list[Run]) -> list[dict]:
             **{f"{p} ms": _num(st[p], 1, 1e3) for p in PHASES},
             "step ms": _num(st.get("total", sum(st[p] for p in PHASES)), 1, 1e3),
             "peak memory": f"{_num(s['peak_memory_mb'], 0)} MB {kind}".rstrip(),
+            "model FLOP/s": _flops(s.get("model_flops_per_s")),
             "MFU": _num(s.get("mfu"), 1, 100, "%"),
+            "peak FLOP/s": (f"{_flops(s.get('peak_flops'))} ({s['peak_source']})"
+                            if s.get("peak_source") else "n/a"),
             "final loss": _num(s.get("final_loss"), 4),
             "ckpt save ms": _num(ck.get("save_s"), 0, 1e3) if ck else "-",
         })
@@ -140,7 +147,8 @@ def comparison_table(runs: list[Run]) -> str:
     """A Markdown table, one row per run, columns aligned for reading in a terminal."""
     rows = table_rows(runs)
     cols = list(rows[0])
-    left = {"chapter", "run", "launcher", "device", "dtype", "preset", "peak memory"}  # text
+    left = {"chapter", "run", "launcher", "device", "dtype", "preset", "peak memory",
+            "peak FLOP/s"}  # text
     return markdown_table(cols, [[r[c] for c in cols] for r in rows],
                           right={i for i, c in enumerate(cols) if c not in left})
 
@@ -167,7 +175,9 @@ def render_report(runs: list[Run]) -> str:
     parts.append("tokens/s counts tokens of the whole global batch (all processes); "
                  "step times are means over measured steps (warm-up left out). "
                  "Peak memory: CUDA = allocator peak per GPU, RSS = peak resident set of "
-                 "one process.")
+                 "one process. MFU = model FLOP/s per device over the peak FLOP/s: a "
+                 "known GPU's datasheet peak, else the matmul peak measured on the device "
+                 "(`python -m common.peak`).")
     notes = notes_section(runs)
     if notes:
         parts.append("Notes:\n" + "\n".join(notes))

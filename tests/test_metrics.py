@@ -10,17 +10,45 @@ import torch
 
 import common.metrics as metrics
 from common.metrics import (PHASES, MetricsWriter, PhaseTimer, StepStats, build_summary,
-                            peak_memory_mb, read_metrics, throughput_table, write_json)
+                            format_flops, peak_memory_mb, read_metrics, throughput_table,
+                            write_json)
+from common.peak import Peak
 
 SUMMARY_KEYS = {"chapter", "world_size", "device_name", "dtype", "preset", "num_params",
-                "tokens_per_s", "tokens_per_s_per_device", "step_time_s", "peak_memory_mb",
-                "mfu", "final_loss", "torch_version"}
+                "tokens_per_s", "tokens_per_s_per_device", "step_wall_s", "step_time_s",
+                "peak_memory_mb", "mfu", "peak_flops", "peak_source", "peak_precision",
+                "model_flops_per_s", "final_loss", "torch_version"}
 
 
 def fake_clock(monkeypatch, ticks):
     """time.perf_counter returns these values in turn."""
     it = iter(ticks)
     monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(it))
+
+
+class FakeDeviceClock:
+    """Stands in for CUDA events, with their rule: a mark is recorded without waiting,
+    and its time can be read only once the device has passed it (after a sync)."""
+
+    def __init__(self, ticks):
+        self.ticks = iter(ticks)          # device time at each mark, in order
+        self.pending: list[dict] = []
+        self.syncs = 0
+
+    def mark(self):
+        m = {"t": next(self.ticks), "done": False}
+        self.pending.append(m)
+        return m
+
+    def sync(self):
+        self.syncs += 1
+        for m in self.pending:
+            m["done"] = True
+        self.pending = []
+
+    def seconds(self, start, end):
+        assert start["done"] and end["done"], "an event read before the device passed it"
+        return end["t"] - start["t"]
 
 
 def stats_of(steps: list[tuple[float, float, float, float]], tokens: int, warmup: int = 2):
@@ -30,9 +58,17 @@ def stats_of(steps: list[tuple[float, float, float, float]], tokens: int, warmup
     return s
 
 
-def test_phase_timer_accumulates(monkeypatch):
-    fake_clock(monkeypatch, [0.0, 1.0, 1.0, 1.5, 2.0, 4.0])
-    timer = PhaseTimer("cpu")
+def run_phases(timer, durations: dict):
+    """One step through the timer; the phases take no real time (the clock is fake)."""
+    timer.reset()
+    for name in durations:
+        with timer.phase(name):
+            pass
+
+
+def test_phase_timer_accumulates():
+    clock = FakeDeviceClock([0.0, 1.0, 1.0, 1.5, 2.0, 4.0])
+    timer = PhaseTimer("cpu", clock=clock)
     timer.reset()
     with timer.phase("forward"):
         pass
@@ -43,6 +79,85 @@ def test_phase_timer_accumulates(monkeypatch):
     assert timer.times == {"data": 0.0, "forward": 1.5, "backward": 0.0, "update": 2.0}
     timer.reset()
     assert timer.times == dict.fromkeys(PHASES, 0.0)
+
+
+def test_phases_are_read_once_per_window_without_waiting_at_boundaries(monkeypatch):
+    # device time: each step is data 1, forward 2, backward 3, update 4 (10 in all)
+    ticks, t = [], 0.0
+    for _ in range(6):
+        for d in (1.0, 2.0, 3.0, 4.0):
+            ticks += [t, t + d]
+            t += d
+    clock = FakeDeviceClock(ticks)
+    timer, stats = PhaseTimer("cuda", clock=clock), StepStats(warmup=2)
+    # host time, read only when a window opens (first reset) and closes: the warm-up
+    # window (steps 1-2) takes 50 s, the next (steps 3-6) 48 s
+    fake_clock(monkeypatch, [0.0, 50.0, 52.0, 100.0])
+    for step in range(1, 7):
+        run_phases(timer, PHASES)
+        stats.add(timer, tokens=1200)
+        if step == 2:
+            # the only wait so far: the window closes at the end of the warm-up, so
+            # that no window mixes warm-up and measured steps
+            assert clock.syncs == 1
+    assert clock.syncs == 1            # none at phase boundaries, none at stats.add
+    window = stats.end_window()
+    assert clock.syncs == 2            # one per window
+    assert (window.steps, window.tokens, window.wall_s) == (4, 4800, 48.0)
+    assert window.tokens_per_s == pytest.approx(100.0)
+    assert window.phase_s == {"data": 1.0, "forward": 2.0, "backward": 3.0, "update": 4.0}
+    # the headline comes from wall time (48 s for 4 steps), not from the phase split
+    # (40 s): on a GPU the split is an estimate, the wall time is what a reader waits
+    assert stats.tokens_per_s() == pytest.approx(100.0)
+    assert stats.wall_time_per_step() == pytest.approx(12.0)
+    assert stats.mean_phase_times()["total"] == pytest.approx(10.0)
+    assert len(stats.steps) == 6 and len(stats.measured()) == 4
+
+
+def test_a_log_at_the_end_of_the_warmup_gets_the_window_just_closed(monkeypatch):
+    clock = FakeDeviceClock([float(t) for t in range(8)])
+    timer, stats = PhaseTimer("cuda", clock=clock), StepStats(warmup=2)
+    fake_clock(monkeypatch, [0.0, 5.0])
+    for _ in range(2):
+        run_phases(timer, ["forward", "backward"])
+        stats.add(timer, tokens=10)        # the 2nd closes the warm-up window
+    window = stats.end_window()            # a log at step 2: the same window, no new wait
+    assert (window.steps, window.wall_s, window.tokens_per_s) == (2, 5.0, 4.0)
+    assert clock.syncs == 1
+
+
+def test_phase_times_and_wall_time_agree_on_cpu():
+    """On a CPU work is done when a call returns, so the phase split adds up to the
+    step's wall time, but for the loop's own few statements between phases."""
+    torch.manual_seed(0)
+    w = torch.randn(384, 384)
+    timer, stats = PhaseTimer("cpu"), StepStats(warmup=1)
+    for _ in range(7):
+        timer.reset()
+        for name in PHASES:
+            with timer.phase(name):
+                for _ in range(6):
+                    w = torch.tanh(w @ w)
+        stats.add(timer, tokens=100)
+    window = stats.end_window()
+    phases = sum(t for times, _ in stats.steps[1:] for t in times.values())
+    assert window.steps == 6
+    assert phases <= window.wall_s
+    # (tolerance: a few microseconds of Python per step against milliseconds of
+    # matmuls; 10% leaves room for the scheduler on a loaded machine)
+    assert phases == pytest.approx(window.wall_s, rel=0.10)
+    assert stats.tokens_per_s() == pytest.approx(600 / phases, rel=0.10)
+
+
+def test_the_old_loop_still_works(monkeypatch):
+    """`stats.add(timer.times, tokens)`, as chapter loops called it: no windows, so the
+    headline falls back to the phase times."""
+    clock = FakeDeviceClock([0.0, 2.0, 2.0, 3.0])
+    timer, stats = PhaseTimer("cuda", clock=clock), StepStats(warmup=0)
+    run_phases(timer, ["forward", "update"])
+    stats.add(timer.times, tokens=300)
+    assert stats.tokens_per_s() == pytest.approx(100.0)
+    assert stats.wall_time_per_step() == pytest.approx(3.0)
 
 
 def test_step_stats_leave_out_warmup():
@@ -90,49 +205,80 @@ def test_write_json_is_atomic(tmp_path, monkeypatch):
     assert json.loads(path.read_text()) == {"a": 1}   # the old file is intact
 
 
-def summary_for(device_name: str | None = None, monkeypatch=None) -> dict:
+def summary_for(device_name: str | None = None, monkeypatch=None, peak=None,
+                dtype: str = "fp32") -> dict:
     if device_name:
         monkeypatch.setattr(metrics, "device_name", lambda d: device_name)
+        monkeypatch.setattr("common.peak.device_name", lambda d: device_name)
     args = argparse.Namespace(experiment_name="run-1", model_preset="tiny", seq_length=64,
                               batch_size=4, lr=1e-3)
     stats = stats_of([(1.0, 1.0, 1.0, 1.0)] * 2 + [(0.1, 0.2, 0.3, 0.4)] * 3, tokens=1024)
     return build_summary(chapter="03-ddp", args=args, world_size=2, device="cpu",
-                         dtype="fp32", num_params=1_234_567, flops_per_token=2e7,
+                         dtype=dtype, num_params=1_234_567, flops_per_token=2e7,
                          stats=stats, tokens_per_step=1024, final_loss=3.21, val_loss=3.5,
-                         wall_time_s=12.0, num_devices=2, backend="gloo")
+                         wall_time_s=12.0, num_devices=2, backend="gloo", peak=peak)
 
 
 def test_build_summary_keys_and_figures():
-    s = summary_for()
+    s = summary_for(peak=Peak(95e9, "fp32", "measured"))
     assert SUMMARY_KEYS <= set(s)
     assert s["chapter"] == "03-ddp" and s["world_size"] == 2 and s["preset"] == "tiny"
     assert s["tokens_per_s"] == pytest.approx(1024 / 1.0)
     assert s["tokens_per_s_per_device"] == pytest.approx(512.0)
     assert set(PHASES) <= set(s["step_time_s"])
     assert s["step_time_s"]["backward"] == pytest.approx(0.3)
-    assert s["mfu"] is None                    # no known peak for a CPU
+    assert s["model_flops_per_s"] == pytest.approx(512.0 * 2e7)
+    assert s["mfu"] == pytest.approx(512.0 * 2e7 / 95e9)
+    assert (s["peak_flops"], s["peak_source"], s["peak_precision"]) == (95e9, "measured", "fp32")
     assert s["peak_memory_mb"] > 0 and s["peak_memory_kind"] == "process_peak_rss"
     assert s["torch_version"] == torch.__version__
     assert s["final_loss"] == 3.21 and s["args"]["lr"] == 1e-3
     json.dumps(s)                              # summary.json must be writable
 
 
-def test_build_summary_mfu_on_a_known_gpu(monkeypatch):
-    s = summary_for("NVIDIA H100 80GB HBM3", monkeypatch)
-    assert s["mfu"] == pytest.approx(512.0 * 2e7 / 989e12)
+def test_build_summary_measures_the_peak_of_a_cpu():
+    s = summary_for()                          # no peak given: this CPU's, measured
+    assert s["peak_source"] == "measured" and s["peak_precision"] == "fp32"
+    assert s["peak_flops"] > 1e8 and 0 < s["mfu"] == pytest.approx(512.0 * 2e7 / s["peak_flops"])
+
+
+@pytest.mark.parametrize("name, dtype, peak", [
+    ("NVIDIA H100 80GB HBM3", "bf16", 989e12),
+    ("NVIDIA H200 NVL", "bf16", 835e12),
+    ("NVIDIA A100-SXM4-80GB", "bf16", 312e12),
+])
+def test_build_summary_mfu_on_a_known_gpu(monkeypatch, name, dtype, peak):
+    s = summary_for(name, monkeypatch, dtype=dtype)
+    assert s["peak_source"] == "datasheet" and s["peak_flops"] == peak
+    assert s["mfu"] == pytest.approx(512.0 * 2e7 / peak)
 
 
 def test_throughput_table_shows_the_figures():
-    table = throughput_table(summary_for())
+    table = throughput_table(summary_for(peak=Peak(95.3e9, "fp32", "measured")))
     lines = table.splitlines()
     assert all(line.startswith("| ") and line.endswith(" |") for line in lines)
     assert set(lines[1]) <= {"|", "-", " "}
-    for text in ("03-ddp", "tiny", "1.23 M", "1,024.0", "512.0", "1000.0", "n/a",
+    for text in ("03-ddp", "tiny", "1.23 M", "1,024.0", "512.0", "1000.0", "estimate",
+                 "10.2 GFLOP/s", "10.7% of 95.3 GFLOP/s (measured fp32 matmul peak)",
                  "3.2100", "gloo"):
         assert text in table, text
+
+
+@pytest.mark.parametrize("flops, text", [(95.26e9, "95.3 GFLOP/s"), (989e12, "989 TFLOP/s"),
+                                         (1.2e15, "1.2 PFLOP/s"), (5e6, "5 MFLOP/s")])
+def test_format_flops(flops, text):
+    assert format_flops(flops) == text
 
 
 def test_peak_memory_on_cpu():
     mb, kind = peak_memory_mb("cpu")
     assert kind == "process_peak_rss"
     assert 10 < mb < 1e6   # torch alone takes tens of MB; never absurd units
+
+
+def test_mfu_over_100_percent_asks_to_remeasure_the_peak():
+    s = summary_for(peak=Peak(5e9, "fp32", "measured"))      # 10.24 GFLOP/s achieved
+    assert s["mfu"] > 1
+    assert any("--remeasure" in note for note in s["notes"])
+    assert "--remeasure" in throughput_table(s)
+    assert "notes" not in summary_for(peak=Peak(95e9, "fp32", "measured"))

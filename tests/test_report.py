@@ -36,7 +36,8 @@ def fake_run(run_dir: Path, chapter: str, *, world: int, phases: dict, tokens: i
                       wall_time_s=3.0, num_devices=world, backend="gloo" if world > 1 else None,
                       extra=extra)
     if device_name:  # pretend it ran elsewhere: the fields a GPU run would carry
-        s.update(device="cuda", device_name=device_name, mfu=mfu,
+        s.update(device="cuda", device_name=device_name, mfu=mfu, peak_flops=989e12,
+                 peak_source="datasheet", peak_precision="bf16",
                  peak_memory_kind="cuda_max_allocated")
     write_json(run_dir / "summary.json", s)
     with open(run_dir / "metrics.jsonl", "w") as f:
@@ -93,12 +94,17 @@ def test_report_in_process(runs_dir, tmp_path, capsys):
     by_name = {r[cols.index("run")]: dict(zip(cols, r)) for r in rows}
 
     one = by_name["01-single"]
+    one_summary = json.loads((runs_dir / "a" / "01-single" / "summary.json").read_text())
     assert one["tokens/s"] == f"{1024 / 0.36:,.0f}"       # 2,844
     assert one["tokens/s/device"] == f"{1024 / 0.36:,.0f}"
     assert (one["data ms"], one["forward ms"], one["backward ms"], one["update ms"],
             one["step ms"]) == ("10.0", "100.0", "200.0", "50.0", "360.0")
     assert one["world size"] == "1" and one["launcher"] == "python"
-    assert one["MFU"] == "n/a" and one["ckpt save ms"] == "-"
+    assert one["ckpt save ms"] == "-"
+    # a CPU run's MFU: against the matmul peak measured on this CPU
+    assert one["model FLOP/s"] == f"{1024 / 0.36 * 1e6 / 1e9:.3g} GFLOP/s"
+    assert one["peak FLOP/s"].endswith("(measured)")
+    assert one["MFU"] == f"{100 * 1024 / 0.36 * 1e6 / one_summary['peak_flops']:.1f}%"
     assert one["final loss"] == "2.5000"
     assert one["peak memory"].endswith("MB RSS")
 
@@ -109,7 +115,7 @@ def test_report_in_process(runs_dir, tmp_path, capsys):
 
     ck = by_name["04-ckpt"]
     assert ck["device"] == f"{H100} × 2"
-    assert ck["MFU"] == "42.0%"
+    assert ck["MFU"] == "42.0%" and ck["peak FLOP/s"] == "989 TFLOP/s (datasheet)"
     assert ck["ckpt save ms"] == "123"
     assert ck["tokens/s"] == f"{2048 / 0.008:,.0f}"
     assert ck["peak memory"].endswith("MB CUDA")

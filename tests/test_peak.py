@@ -1,0 +1,112 @@
+"""The peak MFU is measured against: datasheet values matched to the right part and
+precision, and a measured matmul peak that is cached per device, precision, torch
+version and thread count."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import common.peak as peak
+from common.peak import cache_key, datasheet_peak, device_peak, matmul_precision, measured_peak
+
+
+@pytest.mark.parametrize("name, precision, tflops", [
+    ("NVIDIA H200 NVL", "bf16", 835),          # not the SXM H200's 989
+    ("NVIDIA H200", "bf16", 989),
+    ("NVIDIA H200", "tf32", 494.5),
+    ("NVIDIA H100 NVL", "bf16", 835),
+    ("NVIDIA H100 PCIe", "bf16", 756),
+    ("NVIDIA H100 80GB HBM3", "bf16", 989),     # the SXM part's name
+    ("NVIDIA H100 SXM5 80GB", "bf16", 989),
+    ("NVIDIA A100-SXM4-80GB", "bf16", 312),
+    ("NVIDIA A100 80GB PCIe", "tf32", 156),
+    ("NVIDIA A100-SXM4-40GB", "fp32", 19.5),     # fp32 without tensor cores
+    ("NVIDIA A10", "bf16", 125),
+    ("NVIDIA L4", "bf16", 121),
+    ("NVIDIA A10G", "bf16", None),              # contains "A10", another part
+    ("NVIDIA L40S", "bf16", None),              # contains "L4", another part
+    ("NVIDIA H100", "bf16", None),              # which H100? measure rather than guess
+    ("NVIDIA GeForce RTX 4090", "bf16", None),
+    ("CPU Intel(R) Xeon(R) Processor (2 cores)", "fp32", None),
+])
+def test_datasheet_peak(name, precision, tflops):
+    want = None if tflops is None else tflops * 1e12
+    assert datasheet_peak(name, precision) == want
+
+
+def test_matmul_precision_follows_dtype_and_tf32_setting(monkeypatch):
+    assert matmul_precision("cpu", "fp32") == "fp32"
+    assert matmul_precision("cuda", "bf16") == "bf16"
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    assert matmul_precision("cuda", "fp32") == "tf32"
+    assert matmul_precision("cpu", "fp32") == "fp32"   # no tensor cores on a CPU
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    assert matmul_precision("cuda", "fp32") == "fp32"
+
+
+def test_a_known_gpu_uses_its_datasheet_and_measures_nothing(monkeypatch, tmp_path):
+    monkeypatch.setattr(peak, "device_name", lambda d: "NVIDIA H200 NVL")
+    monkeypatch.setattr(peak, "measure_matmul_peak", lambda *a: pytest.fail("measured"))
+    p = device_peak("cpu", "bf16", cache_dir=tmp_path)
+    assert (p.flops, p.precision, p.source) == (835e12, "bf16", "datasheet")
+    assert p.label() == "835 TFLOP/s (datasheet bf16 matmul peak)"
+
+
+@pytest.fixture
+def counted_measure(monkeypatch):
+    """measure_matmul_peak, the real one, counting its calls."""
+    calls = []
+    real = peak.measure_matmul_peak
+
+    def measure(device, precision):
+        calls.append((torch.get_num_threads(), precision))
+        return real(device, precision)
+
+    monkeypatch.setattr(peak, "measure_matmul_peak", measure)
+    return calls
+
+
+def test_measured_peak_is_cached(tmp_path, counted_measure):
+    first = measured_peak("cpu", "fp32", cache_dir=tmp_path)
+    assert math.isfinite(first) and first > 1e8    # any CPU of this century: > 0.1 GFLOP/s
+    assert measured_peak("cpu", "fp32", cache_dir=tmp_path) == first   # from the cache
+    assert len(counted_measure) == 1
+    p = device_peak("cpu", "fp32", cache_dir=tmp_path)
+    assert (p.flops, p.source, p.precision) == (first, "measured", "fp32")
+    assert len(counted_measure) == 1
+
+
+def test_cache_key_holds_precision_threads_and_torch_version(tmp_path, counted_measure):
+    threads = torch.get_num_threads()
+    measured_peak("cpu", "fp32", cache_dir=tmp_path)
+    try:
+        torch.set_num_threads(threads + 1)   # another process layout: another peak
+        measured_peak("cpu", "fp32", cache_dir=tmp_path)
+    finally:
+        torch.set_num_threads(threads)
+    assert counted_measure == [(threads, "fp32"), (threads + 1, "fp32")]
+    keys = set(json.loads((tmp_path / peak.CACHE_FILE).read_text()))
+    assert keys == {cache_key(peak.device_name("cpu"), "fp32", "cpu"),
+                    cache_key(peak.device_name("cpu"), "fp32", "cpu").replace(
+                        f"| {threads} threads", f"| {threads + 1} threads")}
+    assert all(torch.__version__ in k for k in keys)
+    assert cache_key("NVIDIA L40S", "bf16", "cuda") != cache_key("NVIDIA L40S", "tf32", "cuda")
+    assert "threads" not in cache_key("NVIDIA L40S", "bf16", "cuda")
+
+
+def test_remeasure_command_overwrites_the_cache(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("LLM_GUIDE_CACHE", str(tmp_path))
+    key = cache_key(peak.device_name("cpu"), "fp32", "cpu")
+    path = tmp_path / peak.CACHE_FILE
+    path.write_text(json.dumps({key: {"flops": 1.0, "measured": "long ago"}}))
+    peak.main(["--device", "cpu"])
+    assert "cached" in capsys.readouterr().out
+    assert json.loads(path.read_text())[key]["flops"] == 1.0   # a cache hit changes nothing
+    peak.main(["--device", "cpu", "--remeasure"])
+    out = capsys.readouterr().out
+    assert "measured now" in out and "measured peak" in out
+    assert json.loads(path.read_text())[key]["flops"] > 1e8
