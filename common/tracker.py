@@ -54,7 +54,6 @@ class Tracker:
                 write_jsonl(path, [r for r in read_metrics(path)
                                    if isinstance(r.get("step"), int) and r["step"] <= start_step])
             self.writer = MetricsWriter(path, append=start_step > 0)
-        self.window_tokens, self.window_time = 0, 0.0
         self.saves = []  # (MB, seconds) of each checkpoint saved
         self.t_start = time.perf_counter()
         # Log lines go through tqdm.write while the bar is shown, so neither garbles the other.
@@ -72,9 +71,7 @@ class Tracker:
         self.timer.reset()
 
     def end_step(self):
-        self.stats.add(self.timer.times, self.tokens_per_step)
-        self.window_tokens += self.tokens_per_step
-        self.window_time += sum(self.timer.times.values())
+        self.stats.add(self.timer, self.tokens_per_step)  # no wait for the device here
         self.bar.update()
 
     def log(self, step: int, **values):
@@ -82,20 +79,23 @@ class Tracker:
         step's phase times; then the progress bar and the log line."""
         if self.load_max is not None:  # the machine's load while this run trains
             self.load_max = max(self.load_max, os.getloadavg()[0])
+        # the window since the last log: wall time after one wait for the device, and the
+        # mean phase split of its steps (an estimate on GPUs, where phases overlap)
+        window = self.stats.end_window()
         if self.rank == 0:
-            record = {"step": step, **values,
-                      "tokens_per_s": self.window_tokens / max(self.window_time, 1e-12),
-                      **{f"{k}_s": v for k, v in self.timer.times.items()},
+            record = {"step": step, **values, "tokens_per_s": window.tokens_per_s,
+                      **{f"{k}_s": v for k, v in window.phase_s.items()},
                       "elapsed_s": time.perf_counter() - self.t_start}
             self.writer.write(record)
             self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
             self.logger.info("step %d/%d | loss %.4f | lr %.2e | %.0f tokens/s", step, self.total_steps,
                           record["loss"], record["lr"], record["tokens_per_s"])
-        self.window_tokens, self.window_time = 0, 0.0
 
     def saved(self, checkpoint) -> Path:
         """Note a checkpoint save: (folder, seconds). Returns the folder."""
         path, seconds = checkpoint
+        if self.timer.window_start is not None:  # training speed leaves the save out
+            self.timer.window_start += seconds
         if self.rank == 0:
             self.saves.append((dir_size_mb(path), seconds))
             self.logger.info("checkpoint %s: %.1f MB in %.2f s", path, *self.saves[-1])
