@@ -32,6 +32,7 @@ from common.distributed import DDP_NO_BUFFER_SYNC, destroy_process_group  # noqa
 from common.masks import build_attention_mask  # noqa: E402
 from common.metrics import environment_info  # noqa: E402
 from common.model import LlamaForCausalLM, describe, flops_per_token, get_config, num_parameters  # noqa: E402
+from common.net_errors import check_network  # noqa: E402
 from common.runfolder import claim_run_folder  # noqa: E402
 from common.stopping import run_main  # noqa: E402
 from common.tracker import Tracker  # noqa: E402
@@ -59,6 +60,7 @@ def setup(args):
     if use_cuda:
         torch.cuda.set_device(device)  # else every process would use GPU 0
     if "RANK" in os.environ:
+        check_network("nccl" if use_cuda else "gloo")  # several machines: bad addresses, one line
         dist.init_process_group(
             "nccl" if use_cuda else "gloo",  # nccl for GPUs, gloo for CPUs
             timeout=timedelta(seconds=args.timeout), device_id=device if use_cuda else None)

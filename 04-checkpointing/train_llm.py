@@ -38,7 +38,7 @@ from common.masks import build_attention_mask  # noqa: E402
 from common.metrics import environment_info  # noqa: E402
 from common.model import LlamaForCausalLM, describe, flops_per_token, get_config, num_parameters  # noqa: E402
 from common.resume import (ResumableSampler, all_rng_states, checkpoint_candidates, commit_on_rank0,  # noqa: E402
-                           load_newest, point_latest_to, prune_checkpoints, run_settings, set_rng_states)
+                           load_newest, point_latest_to, prune_checkpoints, run_settings, set_rng_states, sharded_folder)
 from common.runfolder import archive_run, claim_run_folder  # noqa: E402
 from common.stopping import StopRequest, crash_once, run_main  # noqa: E402
 from common.tracker import Tracker  # noqa: E402
@@ -168,7 +168,7 @@ def load_checkpoint(state: dict, path: Path, model, optimizer):
     --sharded each rank's own part, which DCP reads from storage every rank can reach."""
     if state["sharded"]:
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.load({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=path / "sharded")
+        dcp.load({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=sharded_folder(path))
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     else:
         model.load_state_dict(state["model"])

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from .net_errors import check_network
+
 
 # Our only buffers are the constant RoPE tables, so DDP need not re-broadcast them before
 # every forward. The flag was renamed (broadcast_buffers -> forward_sync_buffers); the old
@@ -43,6 +45,7 @@ def init_process_group_for_restarts(backend: str, timeout: timedelta, **kwargs):
     """init_process_group on a store namespaced by torchrun's restart count. torchrun
     keeps one store across restarts, still holding the dead workers' addresses; without
     the prefix a restarted gloo group tries to reach them and times out (torch 2.13)."""
+    check_network(backend)  # several machines: an unreachable address stops here, in one line
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun hosts it

@@ -124,6 +124,17 @@ def run_settings(args, global_batch: int, data_fingerprint: str, format_version:
             "data fingerprint": data_fingerprint, "format version": format_version}
 
 
+def sharded_folder(path: Path) -> Path:
+    """`path`/sharded, the parts DCP reads; every rank must see it (the plain format needs
+    no shared disk, this one does)."""
+    folder = Path(path) / "sharded"
+    if not (folder / ".metadata").is_file():
+        raise FileNotFoundError(f"rank {dist.get_rank() if dist.is_initialized() else 0} cannot "
+                                f"see {folder}: sharded checkpoints need a --save-dir on storage "
+                                f"every machine shares")
+    return folder
+
+
 def point_latest_to(path: Path):
     """Point `latest` (beside checkpoint `path`) at it: written beside, fsynced, renamed
     over the old pointer (atomic), and the folder fsynced so the renames last."""
@@ -206,6 +217,6 @@ def load_newest(candidates, read, load, model, optimizer, *, rank: int, settings
             commit_on_rank0(lambda: roll_back_to(Path(path)), rank)
         return state, path
     if candidates:
-        fail(f"no checkpoint in {Path(candidates[0]).parent} could be loaded (see the warnings "
-             f"above); nothing was changed: move the broken ones away, or start over with --fresh")
+        fail(f"no checkpoint in {Path(candidates[0]).parent} could be loaded (the last: {error}); "
+             f"nothing was changed: move the broken ones away, or start over with --fresh")
     return None, None

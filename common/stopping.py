@@ -1,7 +1,7 @@
 """Stopping cleanly: Ctrl-C, a scheduler's SIGTERM, and a launcher that vanished.
 
-- `run_main(main)`: Ctrl-C ends a chapter with one line (exit 130), not a traceback
-  from every rank.
+- `run_main(main)`: Ctrl-C ends a chapter with one line (exit 130), and a peer or network
+  that stops answering with one line per process, not a traceback from every rank.
 - `exit_with_launcher()`: under torchrun, ask the kernel to send us SIGTERM when our
   launcher (torchrun's agent, our parent) dies, so no worker trains on as an orphan.
 - `crash_once`: chapter 04's fault injection.
@@ -25,8 +25,13 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def run_main(main):
+    """main(), with Ctrl-C as one line, and a lost peer or network as one line per process
+    (common.net_errors) instead of a traceback on every rank."""
+    from .net_errors import explain_peer_failures
+
     try:
-        return main()
+        with explain_peer_failures():
+            return main()
     except KeyboardInterrupt:
         if int(os.environ.get("RANK") or 0) == 0:
             print("\ninterrupted (Ctrl-C); nothing after the last completed step was saved",

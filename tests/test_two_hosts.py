@@ -1,0 +1,309 @@
+"""Chapters 03 and 04 on two real network hosts: Linux network namespaces joined by a
+veth pair (common.two_hosts), each with its own cache and save folder, no shared
+filesystem. DDP across the hosts equals chapter 01 with the global batch; chapter 04
+killed mid-run resumes exactly from node-local checkpoints; a cut cable ends every
+process on both hosts soon after --timeout, with one line, and the rerun resumes
+exactly; a wrong interface or an unresolvable address is one line naming the fix.
+Needs root and iproute2 (CI has both); skipped with the reason otherwise."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from common.two_hosts import HostError, create_hosts, cut_link, host_pids, in_host, restore_link, \
+    teardown, torchrun_argv
+from conftest import TINY, python_cmd, read_jsonl, run, torchrun_cmd
+
+CH01, CH03, CH04 = "01-single-gpu/train_llm.py", "03-ddp/train_llm.py", "04-checkpointing/train_llm.py"
+STEPS = 10
+RTOL = 1e-5            # per-step loss and gradient norm, as in test_ch03_ddp.py
+WEIGHT_ATOL = 2e-4     # per weight element, as in test_ch03_ddp.py
+FREQ = 3               # chapter 04 checkpoint every 3 steps
+TIMEOUT = 8            # --timeout in the cable and name tests (seconds; short, yet safe on a busy CI machine)
+MARGIN = 15            # seconds after --timeout by which every process must have ended
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+ports = itertools.count(29400)
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory, guide_cache):
+    """Two hosts, each with its own copy of the session's tokenizer cache (as a reader
+    would copy it, or let each machine build its own)."""
+    workdir = tmp_path_factory.mktemp("two-hosts")
+    try:
+        h = create_hosts(workdir, prefix=f"t{os.getpid() % 100000}", subnet="10.77.0.0/24")
+    except HostError as e:
+        pytest.skip(f"cannot build two network hosts here: {e}")
+    try:
+        probe = in_host(h, 0, [sys.executable, "-c", "pass"], stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT, text=True)
+        if probe.wait(timeout=60) != 0:
+            pytest.skip(f"cannot run a command inside a network namespace: {probe.stdout.read().strip()}")
+        for i in range(2):
+            shutil.copytree(guide_cache, h.cache(i), dirs_exist_ok=True)
+        yield h
+    finally:
+        teardown(h)
+        assert not any(host_pids(n) for n in h.names)
+
+
+def start_both(hosts, script, args, *, nproc=1, env=None, local_addrs=None, tag="run"):
+    """Each host's torchrun, as a reader types it on two machines; output into a log
+    file per host. Returns (processes, log paths)."""
+    port, procs, logs = next(ports), [], []
+    for i in range(2):
+        argv = torchrun_argv(hosts, i, script, list(map(str, args)), port=port,
+                             nproc_per_node=nproc, rdzv_id=f"{tag}-{port}", torchrun=TORCHRUN)
+        if local_addrs:  # another --local-addr, or None: none at all
+            argv = [(f"--local-addr={local_addrs[i]}" if local_addrs[i] else None)
+                    if a.startswith("--local-addr=") else a for a in argv]
+            argv = [a for a in argv if a is not None]
+        log = hosts.dirs[i] / f"{tag}-{port}.log"
+        with open(log, "w") as out:
+            procs.append(in_host(hosts, i, argv, env={"GLOO_SOCKET_IFNAME": hosts.ifname, **(env or {})},
+                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+        logs.append(log)
+    return procs, logs
+
+
+def wait_both(procs, logs, timeout=240):
+    deadline = time.monotonic() + timeout
+    statuses = []
+    for p in procs:
+        try:
+            statuses.append(p.wait(timeout=max(1, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            statuses.append(None)
+    texts = [log.read_text() for log in logs]
+    return statuses, texts
+
+
+def run_both(hosts, script, args, **kw):
+    procs, logs = start_both(hosts, script, args, **kw)
+    statuses, texts = wait_both(procs, logs)
+    return statuses, texts
+
+
+def show(texts):
+    return "\n".join(f"--- host{i + 1}\n{t[-5000:]}" for i, t in enumerate(texts))
+
+
+def kill_hosts(hosts):
+    """SIGKILL every process on both hosts at once: a power cut, no cleanup."""
+    for name in hosts.names:
+        for pid in host_pids(name):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def steps_logged(metrics):
+    return metrics.read_text().count("\n") if metrics.exists() else 0
+
+
+def wait_for_step(metrics, step, procs, timeout=120):
+    deadline = time.monotonic() + timeout
+    while steps_logged(metrics) < step:
+        assert all(p.poll() is None for p in procs), "the job ended before the interruption"
+        assert time.monotonic() < deadline, f"no step {step} within {timeout} s"
+        time.sleep(0.02)
+
+
+def compare_to(run_dir, ref_dir, exact=False):
+    """Per-step losses and gradient norms, and the final weights. Returns the largest
+    relative loss difference (the figure for the README)."""
+    got, ref = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(ref_dir / "metrics.jsonl")
+    assert [r["step"] for r in got] == [r["step"] for r in ref] == list(range(1, STEPS + 1))
+    a = torch.load(run_dir / "model.pt", weights_only=True)
+    b = torch.load(ref_dir / "model.pt", weights_only=True)
+    if exact:
+        assert [r["loss"] for r in got] == [r["loss"] for r in ref]
+        assert all(torch.equal(a[k], b[k]) for k in b)
+        return 0.0
+    for key in ("loss", "grad_norm"):
+        assert [r[key] for r in got] == pytest.approx([r[key] for r in ref], rel=RTOL, abs=0), key
+    for k in b:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=WEIGHT_ATOL, msg=k)
+    return max(abs(x["loss"] - y["loss"]) / y["loss"] for x, y in zip(got, ref))
+
+
+# ---- (a) DDP across two hosts equals chapter 01 with the global batch ---------------------
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_ddp_across_two_hosts_equals_chapter_01(hosts, tmp_path, nproc):
+    name, batch = f"ddp-2x{nproc}", 4 * 2 * nproc
+    procs, logs = start_both(hosts, CH03, [*TINY, "--max-steps", STEPS, "--experiment-name", name],
+                             nproc=nproc, tag=name)
+    # the reference, meanwhile: chapter 01 with the global batch, outside the hosts
+    run(python_cmd(CH01, *TINY, "--batch-size", batch, "--max-steps", STEPS,
+                   "--save-dir", tmp_path, "--experiment-name", "ch01"))
+    statuses, texts = wait_both(procs, logs)
+    assert statuses == [0, 0], show(texts)
+    run_dir = hosts.save_dir(0) / name
+    assert not (hosts.save_dir(1) / name).exists()      # only rank 0 (host 1) writes
+    assert f"x world {2 * nproc} x" in texts[0]
+    diff = compare_to(run_dir, tmp_path / "ch01")
+    print(f"\n2 hosts x {nproc} process(es), batch 4 vs chapter 01 batch {batch}: "
+          f"largest per-step loss rel diff {diff:.1e}")
+
+
+# ---- (b), (c) chapter 04 across two hosts with node-local checkpoints -------------------
+
+def ch04_args(name, timeout):
+    return [*TINY, "--max-steps", STEPS, "--ckpt-freq", FREQ, "--timeout", timeout,
+            "--experiment-name", name]
+
+
+def test_ch04_on_two_hosts_cut_cable_then_kill_then_resume_exactly(hosts, tmp_path):
+    """One run interrupted twice. (c) The cable is cut mid-training: every process on
+    both hosts ends soon after --timeout, each worker with one line; nothing is left
+    running. (b) After the cable is back, the rerun resumes, and is killed (SIGKILL to
+    every process on both hosts); the next rerun resumes again and finishes with
+    exactly the losses and weights of an uninterrupted run. Rank 0 (host 1) writes the
+    checkpoints and reads the one it resumes from; host 2 receives it over the process
+    group and never holds a checkpoint on its own disk."""
+    name, args = "ch04", ch04_args("ch04", TIMEOUT)
+    ckpt1, ckpt2 = hosts.save_dir(0) / name / "checkpoints", hosts.save_dir(1) / name / "checkpoints"
+    metrics = hosts.save_dir(0) / name / "metrics.jsonl"
+
+    # (c) the cut cable
+    procs, logs = start_both(hosts, CH04, args, tag="cut")
+    wait_for_step(metrics, FREQ + 2, procs)
+    cut_link(hosts)
+    t_cut = time.monotonic()
+    # the reference, while the hosts wait for their timeout: uninterrupted, 2 processes
+    # on one machine, the same global batch
+    ref_dir = tmp_path / "ref"
+    ref_log = open(tmp_path / "ref.log", "w")
+    reference = subprocess.Popen([str(c) for c in torchrun_cmd(2, CH04, *ch04_args(name, 120),
+                                                               "--save-dir", ref_dir)],
+                                 stdout=ref_log, stderr=subprocess.STDOUT)
+    ended = [None, None]
+    while None in ended and time.monotonic() - t_cut < TIMEOUT + 60:
+        for i, p in enumerate(procs):
+            if ended[i] is None and p.poll() is not None:
+                ended[i] = time.monotonic() - t_cut
+        time.sleep(0.05)
+    left = {n: host_pids(n) for n in hosts.names}
+    statuses, texts = wait_both(procs, logs, timeout=1)
+    restore_link(hosts)
+    print(f"\ncable cut after step {steps_logged(metrics)}, --timeout {TIMEOUT}: host1 torchrun "
+          f"exited {statuses[0]} after {ended[0]:.1f} s, host2 torchrun exited {statuses[1]} "
+          f"after {ended[1]:.1f} s")
+    assert None not in ended and max(ended) <= TIMEOUT + MARGIN, (ended, show(texts))
+    assert all(s not in (0, None) for s in statuses), show(texts)
+    assert not any(left.values()), f"still running after the exit: {left}"
+    for text in texts:
+        lines = [line for line in text.splitlines() if "a peer stopped answering" in line]
+        assert len(lines) == 1 and lines[0].startswith("error: rank "), show(texts)
+        assert "Traceback" not in text.split(lines[0])[0]  # the worker printed no traceback
+    assert (ckpt1 / f"step-{FREQ:08d}" / "state.pt").is_file()
+    assert not ckpt2.exists()  # rank 0 wrote the checkpoint, on host 1's disk only
+
+    # (b) cable back: the rerun resumes, then a power cut on both hosts
+    procs, logs = start_both(hosts, CH04, args, tag="rerun")
+    wait_for_step(metrics, 2 * FREQ + 2, procs)
+    kill_hosts(hosts)
+    statuses, texts = wait_both(procs, logs, timeout=30)
+    assert f"resumed from {ckpt1 / f'step-{FREQ:08d}'}" in texts[0], show(texts)
+    assert not ckpt2.exists()
+    assert 2 * FREQ < steps_logged(metrics) < STEPS
+
+    # and again: resumes from the newer checkpoint, finishes exactly as uninterrupted
+    statuses, texts = run_both(hosts, CH04, args, tag="rerun2")
+    assert statuses == [0, 0], show(texts)
+    assert f"resumed from {ckpt1 / f'step-{2 * FREQ:08d}'}" in texts[0], show(texts)
+    assert not ckpt2.exists()
+    assert reference.wait(timeout=120) == 0, (tmp_path / "ref.log").read_text()[-5000:]
+    ref_log.close()
+    compare_to(hosts.save_dir(0) / name, ref_dir / name, exact=True)
+
+
+def test_ch04_sharded_checkpoint_without_shared_storage_is_refused_in_one_line(hosts):
+    """--sharded: each rank writes its part into its own machine's folder, so host 1's
+    checkpoint lacks rank 1's part and no machine has them all. Running the command
+    again stops on both hosts with one line, exit status 2 from the workers."""
+    args = [*TINY, "--max-steps", 3, "--ckpt-freq", 3, "--sharded", "--experiment-name", "sharded"]
+    statuses, texts = run_both(hosts, CH04, args, tag="sharded")
+    assert statuses == [0, 0], show(texts)
+    step3 = f"checkpoints/step-{3:08d}"
+    assert sorted(p.name for p in (hosts.save_dir(0) / "sharded" / step3 / "sharded").iterdir()) \
+        == [".metadata", "__0_0.distcp"]
+    assert (hosts.save_dir(1) / "sharded" / "checkpoints" / f".tmp-step-{3:08d}").is_dir()
+    statuses, texts = run_both(hosts, CH04, args, tag="sharded-again")
+    assert all(s not in (0, None) for s in statuses), show(texts)
+    for text in texts:
+        errors = [line for line in text.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and "sharded checkpoints need a --save-dir on storage every " \
+            "machine shares" in errors[0] and "rank 1 cannot see" in errors[0], show(texts)
+        assert "failed (exitcode: 2)" in text
+
+
+# ---- (d) a wrong interface or address: one line naming the fix, at once ---------------
+
+FAST = 60  # seconds: far below the 600 s --timeout default and torchrun's 60 s waits
+
+
+def test_wrong_interface_or_address_is_one_line_naming_the_fix(hosts):
+    """GLOO_SOCKET_IFNAME naming a missing interface, the loopback (it does not reach the
+    other host), or unset (gloo then takes the host name's address: here the loopback);
+    torchrun without --local-addr (rank 0's host advertises 'localhost'); and host names
+    that only their own host resolves. The host that is not rank 0's says what to fix, at
+    once. Rank 0's host cannot tell whether the other nodes share its machine (then the
+    loopback would do), so it waits for them until --timeout, then says that a peer
+    stopped answering. The five jobs run at once."""
+    fix = "set GLOO_SOCKET_IFNAME=eth1, the interface that reaches MASTER_ADDR=10.77.0.1"
+    cases = {"missing": ({"GLOO_SOCKET_IFNAME": "nope"}, None, fix),
+             "loopback": ({"GLOO_SOCKET_IFNAME": "lo"}, None, fix),
+             "unset": ({"GLOO_SOCKET_IFNAME": ""}, None, fix),
+             "no-local-addr": ({}, [None, None], "is a loopback address, so the other machines "
+                               "cannot reach rank 0"),
+             # each host resolves only its own name (its /etc/hosts), as machines without
+             # DNS for each other do; host 1 advertises its name, host 2 cannot resolve it
+             "host-names": ({}, hosts.names, f"MASTER_ADDR={hosts.names[0]}, the address rank 0's "
+                            "machine advertised, does not resolve on this machine")}
+    t0 = time.monotonic()
+    jobs = {case: start_both(hosts, CH03, [*TINY, "--max-steps", 2, "--experiment-name", case,
+                                           "--timeout", TIMEOUT],
+                             env=env, local_addrs=addrs, tag=case)
+            for case, (env, addrs, _) in cases.items()}
+    for case, (procs, logs) in jobs.items():
+        statuses, texts = wait_both(procs, logs, timeout=FAST)
+        took = time.monotonic() - t0
+        assert all(s not in (0, None) for s in statuses), show(texts)
+        errors = [[line for line in text.splitlines() if line.startswith("error: ")] for text in texts]
+        assert all(len(e) == 1 for e in errors), show(texts)
+        named = [e[0] for e in errors if cases[case][2] in e[0]]
+        assert named, show(texts)
+        assert all(cases[case][2] in e[0] or "a peer stopped answering" in e[0] for e in errors), \
+            show(texts)
+        print(f"\n{case}: {named[0]}  (both hosts ended within {took:.1f} s)")
+    assert took < FAST, took
+
+
+# ---- the command line: bad input is one line and exit status 2 --------------------------
+
+@pytest.mark.parametrize("argv, geteuid, message", [
+    (["03-ddp/train_llm.py"], 1000, "error: creating network namespaces needs root (run with sudo)"),
+    (["--subnet", "10.77.0.0/31", "03-ddp/train_llm.py"], 0,
+     "error: --subnet 10.77.0.0/31: too small for two hosts (use /30 or larger)"),
+    (["no-such-script.py"], 0, "error: 'no-such-script.py' is not a script under"),
+], ids=["not-root", "small-subnet", "no-script"])
+def test_two_hosts_command_refuses_bad_input_in_one_line(monkeypatch, capsys, argv, geteuid, message):
+    from common import two_hosts
+    monkeypatch.setattr(two_hosts.os, "geteuid", lambda: geteuid)
+    monkeypatch.setattr(two_hosts.shutil, "which", lambda name: f"/usr/sbin/{name}")
+    with pytest.raises(SystemExit) as exit_info:
+        two_hosts.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and err[0].startswith(message), err
