@@ -45,7 +45,18 @@ def _sha256(path: Path) -> str:
 
 def write_manifest(folder: Path, meta: dict):
     """Checksum every file under `folder` and write them with `meta` into manifest.json
-    (written last: a folder without one was never finished)."""
+    (written last: a folder without one was never finished). A DCP folder inside must be
+    complete: every part its metadata names is there (on node-local disks the other
+    machines' parts are not), else OSError."""
+    for dcp_meta in Path(folder).rglob(".metadata"):
+        from torch.distributed.checkpoint import FileSystemReader
+
+        parts = {s.relative_path for s in FileSystemReader(dcp_meta.parent).read_metadata().storage_data.values()}
+        missing = sorted(p for p in parts if not (dcp_meta.parent / p).is_file())
+        if missing:
+            raise OSError(f"the sharded checkpoint in {dcp_meta.parent} lacks {', '.join(missing)}: "
+                          f"other ranks wrote their parts where rank 0 cannot see them; sharded "
+                          f"checkpoints need a --save-dir on storage every machine shares")
     files = {str(p.relative_to(folder)): _sha256(p)
              for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST}
     fsync_write(folder / MANIFEST, lambda f: f.write(json.dumps({**meta, "sha256": files}, indent=1).encode()))

@@ -92,7 +92,7 @@ def commit_on_rank0(commit, rank: int, tmp: Path | None = None):
                 shutil.rmtree(tmp, ignore_errors=True)  # never leave a full disk fuller
             where = tmp.parent if tmp else Path(e.filename or ".").parent
             error = (disk_full_message(where, size) if is_disk_full(e)
-                     else f"writing {e.filename or where} failed: {one_line(e)}")
+                     else f"writing {e.filename or where} failed: {e.strerror or e}")
     error = first_error(error)
     if error:
         fail(error)
@@ -126,12 +126,14 @@ def run_settings(args, global_batch: int, data_fingerprint: str, format_version:
 
 def sharded_folder(path: Path) -> Path:
     """`path`/sharded, the parts DCP reads; every rank must see it (the plain format needs
-    no shared disk, this one does)."""
+    no shared disk, this one does). A collective: every rank calls it."""
     folder = Path(path) / "sharded"
-    if not (folder / ".metadata").is_file():
-        raise FileNotFoundError(f"rank {dist.get_rank() if dist.is_initialized() else 0} cannot "
-                                f"see {folder}: sharded checkpoints need a --save-dir on storage "
-                                f"every machine shares")
+    error = None if (folder / ".metadata").is_file() else (
+        f"rank {dist.get_rank() if dist.is_initialized() else 0} cannot see {folder}: sharded "
+        f"checkpoints need a --save-dir on storage every machine shares")
+    error = first_error(error)  # all ranks go on to dcp.load's collectives, or none does
+    if error:
+        raise FileNotFoundError(error)
     return folder
 
 
