@@ -154,7 +154,7 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=5, help="timed steps (the median is reported)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
-    p.add_argument("--no-compile", dest="compile", action="store_false",
+    p.add_argument("--no-compile", action="store_true",
                    help="eager only: skip torch.compile (and its compile time)")
     p.add_argument("--device", default="auto",
                    help="auto (cuda if available, else cpu), cpu, cuda:N")
@@ -179,7 +179,7 @@ def main(argv=None):
     rows = []
     for preset in args.presets:
         result = bench_preset(preset, args.batch_size, args.seq_length, args.iters,
-                              args.warmup, device, args.vocab_size, peak, args.compile)
+                              args.warmup, device, args.vocab_size, peak, not args.no_compile)
         rows += result["rows"]
         if result["compile_s"] is not None:
             print(f"{preset}: torch.compile took {result['compile_s']:.1f} s "
