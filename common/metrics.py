@@ -436,6 +436,12 @@ def throughput_rows(s: dict) -> list[tuple[str, str]]:
     ]
     for p in PHASES:
         rows.append((f"  {p}", f"{st[p] * 1e3:.1f} ms ({100 * st[p] / total:.1f}%)"))
+    if s.get("threads_per_process"):
+        rows.append(("CPU threads", f"{s['threads_per_process']} per process x "
+                     f"{s['processes_per_machine']} process(es) on this machine ({s['cpu_cores']} cores)"))
+    if s.get("load_avg_max") is not None:
+        busy = " (busy: not comparable)" if s["load_avg_max"] > s["cpu_cores"] else ""
+        rows.append(("machine load", f"{s['load_avg_max']:.1f} at most during the run{busy}"))
     rows.append(("peak memory", f"{s['peak_memory_mb']:,.0f} MB ({s['peak_memory_kind']})"))
     for i, mb in enumerate(s.get("peak_memory_per_device_mb") or []):
         rows.append((f"  device {i}", f"{mb:,.0f} MB"))
@@ -454,6 +460,23 @@ def throughput_rows(s: dict) -> list[tuple[str, str]]:
     for note in s.get("notes", []):
         rows.append(("note", note))
     return rows
+
+
+def comparison_warnings(summary: dict, baseline: dict) -> list[str]:
+    """Why a scaling efficiency may not be like for like: above 100% (more per device than
+    one device alone can do), or a different CPU thread budget per machine."""
+    notes = []
+    eff = summary.get("scaling_efficiency")
+    if eff is not None and eff > 1.05:
+        notes.append(f"scaling efficiency above 100%: the baseline ran slower than this run's "
+                     f"devices (a busier machine then, or another thread budget); rerun both "
+                     f"on an idle machine to compare")
+    per_machine = [s.get("threads_per_process", 0) * s.get("processes_per_machine", 0)
+                   for s in (summary, baseline)]
+    if all(per_machine) and per_machine[0] != per_machine[1]:
+        notes.append(f"CPU threads per machine differ from the baseline's ({per_machine[0]} vs "
+                     f"{per_machine[1]}): not like for like")
+    return notes
 
 
 def markdown_table(header, rows, right=()) -> str:
@@ -478,7 +501,8 @@ def throughput_table(summary: dict) -> str:
 def find_baseline(path: str | os.PathLike, summary: dict) -> dict | None:
     """A chapter 01 summary to compare a multi-process run against: the file itself if
     `path` is one, else the newest chapter 01 run under `path` with the same preset,
-    sequence length, per-process batch, device type and dtype."""
+    sequence length, per-process batch, gradient accumulation, data form (packed or
+    padded), device type and dtype."""
     path = Path(path)
     if path.is_file():
         try:
@@ -491,7 +515,9 @@ def find_baseline(path: str | os.PathLike, summary: dict) -> dict | None:
             s = json.loads(f.read_text())
         except (OSError, ValueError):
             continue
-        same = all(s.get(k) == summary.get(k) for k in ("preset", "seq_length", "batch_size", "device", "dtype"))
+        same = (all(s.get(k) == summary.get(k) for k in ("preset", "seq_length", "batch_size", "device",
+                                                          "dtype", "grad_accum"))
+                and (s.get("data") or {}).get("form") == (summary.get("data") or {}).get("form"))
         if s.get("chapter") == "01-single-gpu" and same and f.stat().st_mtime > best_mtime:
             best, best_mtime = s, f.stat().st_mtime
     return best

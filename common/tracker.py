@@ -28,6 +28,7 @@ from .metrics import (
     PhaseTimer,
     StepStats,
     build_summary,
+    comparison_warnings,
     find_baseline,
     read_metrics,
     throughput_table,
@@ -138,6 +139,11 @@ class Tracker:
             if baseline:
                 summary["scaling_efficiency"] = summary["tokens_per_s_per_device"] / baseline["tokens_per_s"]
                 summary["baseline"] = f"{baseline['chapter']} run {baseline['experiment_name']!r}"
+                summary.setdefault("notes", []).extend(comparison_warnings(summary, baseline))
+        if summary["load_avg_max"] and summary["load_avg_max"] > summary["cpu_cores"]:
+            summary.setdefault("notes", []).append(
+                f"the machine was busy (load average up to {summary['load_avg_max']:.1f} on "
+                f"{summary['cpu_cores']} cores): other programs took CPU time from this run")
         write_json(self.run_dir / "summary.json", summary)
         print(f"\n{throughput_table(summary)}\n\noutputs in {self.run_dir}", flush=True)
         return summary
