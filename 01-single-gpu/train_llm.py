@@ -116,6 +116,8 @@ def main():
     # --max-steps wins, with as many epochs as it takes; 0 = --num-epochs whole epochs
     total_steps = args.max_steps or args.num_epochs * steps_per_epoch
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup_steps, total_steps))
+    # --compile: model and loss as one graph (under DDP, compiled after wrapping)
+    loss_fn = torch.compile(compute_loss) if args.compile else compute_loss
     global_batch = args.batch_size * args.grad_accum
     tokens_per_step = global_batch * args.seq_length  # processed, padding included
     log.info("training %d steps (%.2f epochs of %d); batch %d = %d x grad-accum %d, %d tokens "
@@ -151,7 +153,7 @@ def main():
                     attn_mask = build_attention_mask(x, data.pad_id) if args.padded else None
                 with tracker.phase("forward"):
                     with autocast:
-                        loss = compute_loss(model, x, y, attn_mask) / n_tokens
+                        loss = loss_fn(model, x, y, attn_mask) / n_tokens
                 with tracker.phase("backward"):
                     loss.backward()
                 loss_sum += loss.detach()  # stays on the device: no host sync per step

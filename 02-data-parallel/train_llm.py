@@ -103,8 +103,7 @@ class Replica(torch.nn.Module):
         with torch.autocast(x.device.type, dtype=self.dtype, enabled=self.dtype is not None):
             out = self.model(x, attn_mask)
             if self.loss_in_module:
-                out = F.cross_entropy(out.view(-1, out.size(-1)), y.view(-1), ignore_index=IGNORE_INDEX,
-                                      reduction="sum")
+                out = F.cross_entropy(out.flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
             return out.unsqueeze(0) if self.loss_in_module else out
 
 
@@ -149,6 +148,8 @@ def main():
     # --max-steps wins, with as many epochs as it takes; 0 = --num-epochs whole epochs
     total_steps = args.max_steps or args.num_epochs * steps_per_epoch
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup_steps, total_steps))
+    # --compile: model and loss as one graph (under DDP, compiled after wrapping)
+    loss_fn = torch.compile(compute_loss) if args.compile and len(device_ids) < 2 else compute_loss
     global_batch = args.batch_size * args.grad_accum
     tokens_per_step = global_batch * args.seq_length  # processed, padding included
     log.info("training %d steps (%.2f epochs of %d); batch %d = %d x grad-accum %d, %d tokens "
@@ -184,7 +185,7 @@ def main():
                     attn_mask = build_attention_mask(x, data.pad_id) if args.padded else None
                 with tracker.phase("forward"):
                     with autocast:
-                        loss = compute_loss(dp_model, x, y, attn_mask) / n_tokens
+                        loss = loss_fn(dp_model, x, y, attn_mask) / n_tokens
                 with tracker.phase("backward"):
                     loss.backward()
                 loss_sum += loss.detach()  # stays on the device: no host sync per step

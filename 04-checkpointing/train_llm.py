@@ -176,7 +176,9 @@ def load_checkpoint(state: dict, path: Path, model, optimizer):
 
 
 def resume(args, run_dir, model, optimizer, scheduler, device, rank, settings, log):
-    """Restore the newest checkpoint that loads; return (step, epoch, steps done in it)."""
+    """Restore the newest checkpoint of this run that loads; return (step, epoch, steps
+    done in it). `settings` define the run: the flags that change what is trained, the
+    global batch, the corpus and tokenizer, the format. Another run's checkpoint stops it."""
     if args.fresh and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0 and rank == 0:
         log.info("--fresh: earlier files moved to %s", archive_run(run_dir))  # once per job
     ckpt_dir = run_dir / "checkpoints"
@@ -184,14 +186,12 @@ def resume(args, run_dir, model, optimizer, scheduler, device, rank, settings, l
                   else checkpoint_candidates(ckpt_dir))  # rank 0's list counts: its disk
     state, path = load_newest(candidates, read_checkpoint, load_checkpoint, model, optimizer, rank=rank,
                               settings=settings, log=log, rollback_in=args.resume_from and ckpt_dir)
-    if state is None:  # nothing to resume: step 0
-        return 0, 0, 0
-    # the same global batch, so batch k is the same samples whatever the world size
-    scheduler.load_state_dict(state["scheduler"])
-    set_rng_states(state["rng"][rank % len(state["rng"])], device)
-    log.info("resumed from %s: step %d, epoch %d, %d steps into it", path, state["step"],
-             state["epoch"], state["step_in_epoch"])
-    return state["step"], state["epoch"], state["step_in_epoch"]
+    if state:  # the same global batch, so batch k is the same samples whatever the world size
+        scheduler.load_state_dict(state["scheduler"])
+        set_rng_states(state["rng"][rank % len(state["rng"])], device)
+        log.info("resumed from %s: step %d, epoch %d, %d steps into it", path, state["step"],
+                 state["epoch"], state["step_in_epoch"])
+    return (state["step"], state["epoch"], state["step_in_epoch"]) if state else (0, 0, 0)
 
 
 def main():
@@ -227,6 +227,8 @@ def main():
     # --max-steps wins, with as many epochs as it takes; 0 = --num-epochs whole epochs
     total_steps = args.max_steps or args.num_epochs * steps_per_epoch
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup_steps, total_steps))
+    # --compile: model and loss as one graph (under DDP, compiled after wrapping)
+    loss_fn = torch.compile(compute_loss) if args.compile else compute_loss
     global_batch = args.batch_size * world_size * args.grad_accum
     tokens_per_step = global_batch * args.seq_length  # processed, padding included
     log.info("training %d steps (%.2f epochs of %d); batch %d = %d x world %d x grad-accum %d, "
@@ -236,9 +238,7 @@ def main():
     # ---- outputs (created only now: bad input above leaves nothing behind) ---------
     run_dir = claim_run_folder(Path(args.save_dir) / args.experiment_name, rank=rank, resumes=True)
 
-    # ---- resume: the newest checkpoint of this same run that loads ------------------
-    # a checkpoint resumes only a run with the same flags, global batch, corpus, tokenizer
-    settings = run_settings(args, global_batch, data.fingerprint, FORMAT_VERSION)
+    settings = run_settings(args, global_batch, data.fingerprint, FORMAT_VERSION)  # this run's
     start_step, start_epoch, start_in_epoch = resume(args, run_dir, raw_model, optimizer,
                                                      scheduler, device, rank, settings, log)
     if start_step >= total_steps:
@@ -286,7 +286,7 @@ def main():
                     model.require_backward_grad_sync = micro == args.grad_accum - 1
                 with tracker.phase("forward"):
                     with autocast:
-                        loss = compute_loss(model, x, y, attn_mask) * world_size / n_tokens
+                        loss = loss_fn(model, x, y, attn_mask) * world_size / n_tokens
                 with tracker.phase("backward"):
                     loss.backward()
                 loss_sum += loss.detach()  # stays on the device: no host sync per step

@@ -185,6 +185,8 @@ def base_parser(chapter: str, description: str, *, distributed: bool = False,
                    help="auto = bf16 autocast on CUDA, fp32 on CPU; bf16 = bf16 autocast")
     g.add_argument("--num-workers", type=non_negative_int, default=1,
                    help="DataLoader worker processes")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile the model and loss (the first step compiles: slow)")
     if distributed:
         g.add_argument("--timeout", type=seconds, default=600,
                        help="seconds a collective may wait for the other ranks before failing")

@@ -448,6 +448,9 @@ def throughput_rows(s: dict) -> list[tuple[str, str]]:
     if s.get("model_flops_per_s") is not None:
         rows.append(("model FLOP/s per device", format_flops(s["model_flops_per_s"])))
     rows.append(("MFU", mfu_text(s)))
+    if s.get("compiled"):
+        rows.append(("torch.compile", f"yes: about {s.get('compile_s') or 0:,.1f} s to compile "
+                     f"(the first step; not in tokens/s)"))
     if s.get("scaling_efficiency") is not None:
         rows.append(("scaling efficiency", f"{100 * s['scaling_efficiency']:.1f}% vs {s.get('baseline', 'baseline')}"))
     ck = s.get("checkpoint")

@@ -4,13 +4,22 @@ Reads every `summary.json` under the given folders (default: `outputs/`), prints
 Markdown comparison table and writes, into `--out`:
 
   report.md          the same table, with warnings and notes
-  tokens_per_s.png   tokens/s per run (bars coloured by device)
+  tokens_per_s.png   tokens/s per run (horizontal bars coloured by device)
   step_time.png      mean step time split into data / forward / backward / update
-  loss.png           the loss curve of every run (from its metrics.jsonl)
+  loss.png           the loss curve of every run (from its metrics.jsonl), at most
+                     8 curves per panel so each keeps its own colour
+
+The plots stay readable with many runs: one bar row per run, a fixed width and font,
+the height growing with the number of runs.
 
 Numbers measured on different hardware are not comparable as equals, so the device is
 part of every row, and a warning line precedes the table when the runs come from more
-than one device.
+than one device. The threads and machine-load columns say whether a CPU run shared its
+cores (load marked `!` when it went above the machine's core count).
+
+Archived runs (chapter 04's --fresh moves an earlier run into `<run>/archive-<time>/`)
+are left out by default, with one line saying how many; `--include-archived` adds them,
+labelled `<run> (archived <time>)`. A folder named directly is always read, archive or not.
 """
 
 from __future__ import annotations
@@ -28,6 +37,8 @@ REQUIRED_KEYS = ("chapter", "experiment_name", "launcher", "world_size", "num_de
                  "device_name", "dtype", "tokens_per_s", "tokens_per_s_per_device",
                  "step_time_s", "peak_memory_mb")
 PLOTS = ("tokens_per_s.png", "step_time.png", "loss.png")
+ARCHIVE_PREFIX = "archive-"   # common.runfolder.archive_run's folder names
+CURVES_PER_PANEL = 8
 
 
 @dataclass
@@ -38,15 +49,20 @@ class Run:
 
     @property
     def name(self) -> str:
-        return self.summary["experiment_name"]
+        """The experiment name; an archived run's says so: 'run (archived 20261122-010203)'."""
+        folder = self.path.parent.name
+        if folder.startswith(ARCHIVE_PREFIX):
+            return f"{self.summary['experiment_name']} (archived {folder[len(ARCHIVE_PREFIX):]})"
+        return str(self.summary["experiment_name"])
 
     @property
     def device(self) -> str:
         return f"{self.summary['device_name']} × {self.summary['num_devices']}"
 
 
-def find_summaries(paths) -> list[Path]:
-    """Every summary.json named or found (recursively) under the given paths, once each.
+def find_summaries(paths, include_archived: bool = False) -> list[Path]:
+    """Every summary.json named or found (recursively) under the given paths, once each;
+    those in an `archive-*` folder below a given path only with `include_archived`.
     A path that does not exist raises FileNotFoundError."""
     found: dict[Path, None] = {}  # ordered set
     for p in map(Path, paths):
@@ -54,7 +70,10 @@ def find_summaries(paths) -> list[Path]:
             raise FileNotFoundError(f"{str(p)!r} does not exist")
         candidates = [p] if p.is_file() else sorted(p.rglob("summary.json"))
         for c in candidates:
-            found.setdefault(c.resolve(), None)
+            archived = any(part.startswith(ARCHIVE_PREFIX)
+                           for part in c.relative_to(p).parts[:-1]) if c != p else False
+            if include_archived or not archived:
+                found.setdefault(c.resolve(), None)
     return list(found)
 
 
@@ -110,6 +129,34 @@ def _flops(v):
     return "n/a" if v is None else format_flops(v)
 
 
+def _dict(v) -> dict:
+    return v if isinstance(v, dict) else {}
+
+
+def _cell(v) -> str:
+    """A setting that older summaries may lack: '-' when missing."""
+    return "-" if v is None else str(v)
+
+
+def _threads(s: dict) -> str:
+    """'2 × 2': threads per process × processes on the machine."""
+    t, procs = s.get("threads_per_process"), s.get("processes_per_machine")
+    if t is None:
+        return "-"
+    return f"{t} × {procs}" if procs is not None else str(t)
+
+
+def _load(s: dict) -> str:
+    """'5.3/2 !': the highest load average during the run over the machine's cores;
+    '!' when the load went above the cores (the run shared its CPU)."""
+    load, cores = s.get("load_avg_max"), s.get("cpu_cores")
+    if load is None:
+        return "-"
+    if cores is None:
+        return f"{load:.1f}"
+    return f"{load:.1f}/{cores}" + (" !" if load > cores else "")
+
+
 def table_rows(runs: list[Run]) -> list[dict]:
     """One dict of formatted cells per run, in table order."""
     rows = []
@@ -119,14 +166,21 @@ def table_rows(runs: list[Run]) -> list[dict]:
         ck = s.get("checkpoint") or {}
         kind = {"cuda_max_allocated": "CUDA", "process_peak_rss": "RSS"}.get(
             s.get("peak_memory_kind"), s.get("peak_memory_kind") or "")
+        args = _dict(s.get("args"))
         rows.append({
             "chapter": str(s["chapter"]),
             "run": str(r.name),
             "launcher": str(s["launcher"]),
             "world size": str(s["world_size"]),
             "device": r.device,
+            "threads": _threads(s),
+            "load/cores": _load(s),
             "dtype": str(s["dtype"]),
             "preset": str(s.get("preset", "n/a")),
+            "seq": _cell(s.get("seq_length", args.get("seq_length"))),
+            "batch": _cell(s.get("batch_size", args.get("batch_size"))),
+            "accum": _cell(s.get("grad_accum", args.get("grad_accum"))),
+            "data": _cell(_dict(s.get("data")).get("form")),
             "tokens/step": _num(s.get("tokens_per_step"), 0),
             "tokens/s": _num(s["tokens_per_s"], 0),
             "tokens/s/device": _num(s["tokens_per_s_per_device"], 0),
@@ -147,8 +201,8 @@ def comparison_table(runs: list[Run]) -> str:
     """A Markdown table, one row per run, columns aligned for reading in a terminal."""
     rows = table_rows(runs)
     cols = list(rows[0])
-    left = {"chapter", "run", "launcher", "device", "dtype", "preset", "peak memory",
-            "peak FLOP/s"}  # text
+    left = {"chapter", "run", "launcher", "device", "threads", "dtype", "preset", "data",
+            "peak memory", "peak FLOP/s"}  # text
     return markdown_table(cols, [[r[c] for c in cols] for r in rows],
                           right={i for i, c in enumerate(cols) if c not in left})
 
@@ -174,6 +228,10 @@ def render_report(runs: list[Run]) -> str:
     parts.append(comparison_table(runs))
     parts.append("tokens/s counts tokens of the whole global batch (all processes); "
                  "step times are means over measured steps (warm-up left out). "
+                 "seq, batch (per process), accum (gradient accumulation steps) and data "
+                 "(packed/padded) are the run's settings; threads = threads per process × "
+                 "processes on the machine; load/cores = the highest load average during "
+                 "the run over the machine's cores, ! when above them. "
                  "Peak memory: CUDA = allocator peak per GPU, RSS = peak resident set of "
                  "one process. MFU = model FLOP/s per device over the peak FLOP/s: a "
                  "known GPU's datasheet peak, else the matmul peak measured on the device "
@@ -185,6 +243,12 @@ def render_report(runs: list[Run]) -> str:
 
 
 # --- plots -----------------------------------------------------------------------------
+# Fixed width and font; the height grows with the number of runs, so labels never shrink
+# or overlap however many runs there are.
+
+FIG_WIDTH_IN, DPI, FONT_SIZE = 10, 110, 9
+ROW_IN = 0.32  # height of one bar row
+
 
 def _pyplot():
     import matplotlib
@@ -193,6 +257,29 @@ def _pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def _save(plt, fig, path: Path) -> Path:
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
+
+
+def _bar_figure(plt, runs, title: str, xlabel: str):
+    """One horizontal bar row per run, the first run on top; labels = run names."""
+    fig, ax = plt.subplots(figsize=(FIG_WIDTH_IN, 1.6 + ROW_IN * len(runs)),
+                           layout="constrained")
+    ax.set_yticks(range(len(runs)), [_short(f"{r.name} ({r.summary['device']} × "
+                                            f"{r.summary['num_devices']})") for r in runs])
+    ax.set_ylim(len(runs) - 0.5, -0.5)
+    ax.set_xlabel(xlabel)
+    ax.set_title(title)
+    ax.grid(axis="x", alpha=0.3)
+    return fig, ax
+
+
+def _short(label: str, limit: int = 60) -> str:
+    return label if len(label) <= limit else label[:limit - 1] + "…"
 
 
 def _device_colours(runs):
@@ -204,67 +291,69 @@ def _device_colours(runs):
 def plot_tokens_per_s(runs: list[Run], path: Path) -> Path:
     plt = _pyplot()
     colours = _device_colours(runs)
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(runs) + 2), 4.5))
-    x = range(len(runs))
     values = [r.summary["tokens_per_s"] for r in runs]
-    bars = ax.bar(x, values, color=[colours[str(r.summary["device_name"])] for r in runs])
-    ax.bar_label(bars, labels=[f"{v:,.0f}" for v in values], fontsize=8)
-    ax.set_xticks(list(x), [f"{r.name}\n× {r.summary['num_devices']}" for r in runs],
-                  rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel("tokens/s (whole global batch)")
-    ax.set_title("Training throughput")
-    # one legend entry per device, so bars of different hardware are not read as equals
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
-    ax.legend(handles, list(colours), fontsize=7, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    with plt.rc_context({"font.size": FONT_SIZE}):
+        fig, ax = _bar_figure(plt, runs, "Training throughput", "tokens/s (whole global batch)")
+        bars = ax.barh(range(len(runs)), values,
+                       color=[colours[str(r.summary["device_name"])] for r in runs])
+        ax.bar_label(bars, labels=[f"{v:,.0f}" for v in values], padding=3)
+        ax.set_xlim(0, 1.15 * max(max(values), 1e-9))  # room for the value labels
+        # one legend entry per device, so bars of different hardware are not read as equals
+        handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
+        fig.legend(handles, list(colours), loc="outside lower center",
+                   ncols=min(3, len(colours)))
+        return _save(plt, fig, path)
 
 
 def plot_step_time(runs: list[Run], path: Path) -> Path:
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(runs) + 2), 4.5))
-    x = list(range(len(runs)))
-    bottom = [0.0] * len(runs)
-    for phase in PHASES:
-        ms = [r.summary["step_time_s"][phase] * 1e3 for r in runs]
-        ax.bar(x, ms, bottom=bottom, label=phase)
-        bottom = [b + m for b, m in zip(bottom, ms)]
-    ax.set_xticks(x, [f"{r.name}\n{r.summary['device']} × {r.summary['num_devices']}"
-                      for r in runs], rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel("mean step time (ms)")
-    ax.set_title("Where a step's time goes")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    with plt.rc_context({"font.size": FONT_SIZE}):
+        fig, ax = _bar_figure(plt, runs, "Where a step's time goes", "mean step time (ms)")
+        y = range(len(runs))
+        left = [0.0] * len(runs)
+        for phase in PHASES:
+            ms = [r.summary["step_time_s"][phase] * 1e3 for r in runs]
+            ax.barh(y, ms, left=left, label=phase)
+            left = [a + m for a, m in zip(left, ms)]
+        for i, total in enumerate(left):
+            ax.annotate(f"{total:,.1f}", (total, i), xytext=(3, 0),
+                        textcoords="offset points", va="center")
+        ax.set_xlim(0, 1.15 * max(max(left), 1e-9))
+        fig.legend(loc="outside lower center", ncols=len(PHASES))
+        return _save(plt, fig, path)
 
 
 def plot_loss(runs: list[Run], path: Path) -> Path | None:
-    """All loss curves on one chart; None (nothing written) when no run has metrics."""
+    """Loss curves, at most CURVES_PER_PANEL per panel (panels stacked, shared axes), so
+    every curve in a panel has its own colour; None (nothing written) when no run has
+    metrics."""
     with_metrics = [r for r in runs if r.metrics]
     if not with_metrics:
         return None
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    groups = [with_metrics[i:i + CURVES_PER_PANEL]
+              for i in range(0, len(with_metrics), CURVES_PER_PANEL)]
+    colours = plt.get_cmap("tab10").colors
     # runs that should coincide (01 and 02, 03 and 04) do: varied line styles keep the
     # curve underneath visible
     styles = ["-", "--", ":", "-."]
-    for i, r in enumerate(with_metrics):
-        ax.plot([m["step"] for m in r.metrics], [m["loss"] for m in r.metrics],
-                linestyle=styles[i % len(styles)], linewidth=2.2 - 0.3 * (i % len(styles)),
-                marker="." if len(r.metrics) < 30 else None, label=r.name)
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
-    ax.set_title("Loss (a step of a W-process run covers W times the samples)")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    with plt.rc_context({"font.size": FONT_SIZE}):
+        fig, axes = plt.subplots(len(groups), 1, figsize=(FIG_WIDTH_IN, 0.6 + 3.2 * len(groups)),
+                                 sharex=True, sharey=True, layout="constrained", squeeze=False)
+        for ax, group in zip(axes[:, 0], groups):
+            for i, r in enumerate(group):
+                ax.plot([m["step"] for m in r.metrics], [m["loss"] for m in r.metrics],
+                        color=colours[i], linestyle=styles[i % len(styles)],
+                        linewidth=2.2 - 0.3 * (i % len(styles)),
+                        marker="." if len(r.metrics) < 30 else None, label=_short(r.name, 45))
+            ax.set_ylabel("training loss")
+            ax.grid(alpha=0.3)
+            ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=FONT_SIZE - 1)
+            chapters = sorted({str(r.summary["chapter"]) for r in group})
+            ax.set_title(", ".join(chapters), fontsize=FONT_SIZE)
+        axes[-1, 0].set_xlabel("step")
+        fig.suptitle("Loss (a step of a W-process run covers W times the samples)")
+        return _save(plt, fig, path)
 
 
 def write_report(runs: list[Run], out: Path) -> tuple[str, list[Path]]:
@@ -287,6 +376,9 @@ def main(argv=None) -> int:
                                 description="Compare runs: Markdown table and PNG plots.")
     p.add_argument("run_dirs", nargs="*", metavar="RUN_DIR",
                    help=f"run folders or their parents (default: {DEFAULT_SAVE_DIR})")
+    p.add_argument("--include-archived", action="store_true",
+                   help="also report earlier runs kept in <run>/archive-*/ folders "
+                        "(labelled 'archived')")
     p.add_argument("--out", default=None,
                    help="output folder (default: the RUN_DIR when one is given, "
                         "else outputs/report)")
@@ -303,7 +395,8 @@ def main(argv=None) -> int:
         print(f"error: --out {str(out)!r} exists and is not a folder", file=sys.stderr)
         return 2
     try:
-        summaries = find_summaries(paths)
+        summaries = find_summaries(paths, include_archived=args.include_archived)
+        left_out = len(find_summaries(paths, include_archived=True)) - len(summaries)
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -314,6 +407,9 @@ def main(argv=None) -> int:
     text, files = write_report(runs, out)
     print(text)
     print(f"\nwrote {', '.join(f.name for f in files)} to {out}")
+    if left_out:
+        print(f"left out {left_out} archived run(s) (in <run>/archive-*/); "
+              f"--include-archived adds them")
     return 0
 
 

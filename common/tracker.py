@@ -56,6 +56,7 @@ class Tracker:
                                    if isinstance(r.get("step"), int) and r["step"] <= start_step])
             self.writer = MetricsWriter(path, append=start_step > 0)
         self.saves = []  # (MB, seconds) of each checkpoint saved
+        self.first_step_start, self.first_step_s = None, None
         self.t_start = time.perf_counter()
         # Log lines go through tqdm.write while the bar is shown, so neither garbles the other.
         self._redirect = logging_redirect_tqdm([log]) if rank == 0 else None
@@ -69,9 +70,13 @@ class Tracker:
         return self.timer.phase(name)
 
     def start_step(self):
+        if self.first_step_s is None and self.first_step_start is None:
+            self.first_step_start = time.perf_counter()
         self.timer.reset()
 
     def end_step(self):
+        if self.first_step_s is None:  # with --compile, the first step compiles
+            self.first_step_s = time.perf_counter() - self.first_step_start
         self.stats.add(self.timer, self.tokens_per_step)  # no wait for the device here
         self.bar.update()
 
@@ -127,7 +132,10 @@ class Tracker:
             summary["peak_memory_per_device_mb"] = [torch.cuda.max_memory_allocated(i) / 2**20
                                                     for i in range(torch.cuda.device_count())]
         summary.update(threads_per_process=self.threads, processes_per_machine=self.processes_here,
-                       cpu_cores=os.cpu_count(), load_avg_max=self.load_max)
+                       cpu_cores=os.cpu_count(), load_avg_max=self.load_max,
+                       first_step_s=self.first_step_s, compiled=bool(getattr(args, "compile", False)))
+        if summary["compiled"] and self.first_step_s is not None:  # not in tokens/s (warm-up)
+            summary["compile_s"] = max(0.0, self.first_step_s - summary.get("step_wall_s", 0.0))
         if self.saves:
             size_mb, save_s = self.saves[-1][0], sum(t for _, t in self.saves) / len(self.saves)
             summary["checkpoint"] = {"count": len(self.saves), "size_mb": size_mb, "save_s": save_s,
