@@ -278,8 +278,29 @@ def _bar_figure(plt, runs, title: str, xlabel: str):
     return fig, ax
 
 
-def _short(label: str, limit: int = 60) -> str:
-    return label if len(label) <= limit else label[:limit - 1] + "…"
+def _short(label: str, limit: int = 64) -> str:
+    """Long labels lose their middle: the start and the end (an archive's time) stay."""
+    if len(label) <= limit:
+        return label
+    head = (limit - 1) // 2
+    return label[:head] + "…" + label[len(label) - (limit - 1 - head):]
+
+
+def _panels(runs: list[Run]) -> list[list[Run]]:
+    """Runs in groups of at most CURVES_PER_PANEL, a chapter's runs together where they fit
+    (runs are sorted by chapter)."""
+    chapters: dict[str, list[Run]] = {}
+    for r in runs:
+        chapters.setdefault(str(r.summary["chapter"]), []).append(r)
+    panels: list[list[Run]] = []
+    for group in chapters.values():
+        for i in range(0, len(group), CURVES_PER_PANEL):
+            chunk = group[i:i + CURVES_PER_PANEL]
+            if panels and len(panels[-1]) + len(chunk) <= CURVES_PER_PANEL:
+                panels[-1].extend(chunk)
+            else:
+                panels.append(chunk)
+    return panels
 
 
 def _device_colours(runs):
@@ -324,15 +345,14 @@ def plot_step_time(runs: list[Run], path: Path) -> Path:
 
 
 def plot_loss(runs: list[Run], path: Path) -> Path | None:
-    """Loss curves, at most CURVES_PER_PANEL per panel (panels stacked, shared axes), so
-    every curve in a panel has its own colour; None (nothing written) when no run has
-    metrics."""
+    """Loss curves, at most CURVES_PER_PANEL per panel (panels stacked, shared axes, a
+    chapter's runs together), so every curve in a panel has its own colour; None (nothing
+    written) when no run has metrics."""
     with_metrics = [r for r in runs if r.metrics]
     if not with_metrics:
         return None
     plt = _pyplot()
-    groups = [with_metrics[i:i + CURVES_PER_PANEL]
-              for i in range(0, len(with_metrics), CURVES_PER_PANEL)]
+    groups = _panels(with_metrics)
     colours = plt.get_cmap("tab10").colors
     # runs that should coincide (01 and 02, 03 and 04) do: varied line styles keep the
     # curve underneath visible
@@ -345,7 +365,7 @@ def plot_loss(runs: list[Run], path: Path) -> Path | None:
                 ax.plot([m["step"] for m in r.metrics], [m["loss"] for m in r.metrics],
                         color=colours[i], linestyle=styles[i % len(styles)],
                         linewidth=2.2 - 0.3 * (i % len(styles)),
-                        marker="." if len(r.metrics) < 30 else None, label=_short(r.name, 45))
+                        marker="." if len(r.metrics) < 30 else None, label=_short(r.name, 56))
             ax.set_ylabel("training loss")
             ax.grid(alpha=0.3)
             ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=FONT_SIZE - 1)

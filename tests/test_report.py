@@ -1,11 +1,14 @@
 """`python -m common.report`: one row per run with the right figures, the device in every
 row, a warning when devices differ, valid PNGs, corrupt summaries skipped, exit 2 when
-there is nothing to report."""
+there is nothing to report; readable with many runs; archived runs left out unless asked
+for, then labelled."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import struct
 import sys
 from pathlib import Path
 
@@ -188,3 +191,105 @@ def test_nothing_to_report_exits_2(tmp_path):
         assert proc.stdout == ""
         assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith("error:")
     assert not any(empty.iterdir())  # nothing written when there is nothing to report
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """(width, height) in pixels, from the PNG's IHDR chunk."""
+    return struct.unpack(">II", path.read_bytes()[16:24])
+
+
+@pytest.fixture
+def many_runs(tmp_path):
+    """18 runs as a long outputs/ holds them (settings, threads, load), one from an older
+    version without those fields, and two runs with an archived earlier run inside."""
+    root = tmp_path / "outputs"
+    chapters = ["01-single-gpu", "02-data-parallel", "03-ddp", "04-checkpointing"]
+    for i in range(18):
+        chapter = chapters[i % 4]
+        fake_run(root / f"{chapter[:2]}-experiment-with-a-long-name-{i:02d}", chapter,
+                 world=1 + i % 2, tokens=1024 * (1 + i % 2),
+                 phases={"data": 0.01, "forward": 0.1 + i / 100, "backward": 0.2, "update": 0.05},
+                 final_loss=3.0 + i / 10, losses=[6.0 - k / 10 - i / 50 for k in range(40)],
+                 extra={"grad_accum": 1 + i % 3, "data": {"form": "padded" if i % 2 else "packed"},
+                        "threads_per_process": 1, "processes_per_machine": 1 + i % 2,
+                        "cpu_cores": 2, "load_avg_max": 3.5 if i % 2 else 1.0})
+    old = root / "01-experiment-with-a-long-name-00" / "summary.json"
+    summary = json.loads(old.read_text())
+    for key in ("seq_length", "batch_size", "args", "grad_accum", "data", "threads_per_process",
+                "processes_per_machine", "cpu_cores", "load_avg_max"):
+        del summary[key]
+    old.write_text(json.dumps(summary))
+    for name in ("03-experiment-with-a-long-name-02", "04-experiment-with-a-long-name-03"):
+        archive = root / name / "archive-20261122-010203"
+        archive.mkdir()
+        for f in ("summary.json", "metrics.jsonl"):
+            shutil.copy(root / name / f, archive / f)
+    return root
+
+
+def test_many_runs_readable_with_settings_columns(many_runs, runs_dir, tmp_path, capsys,
+                                                  monkeypatch):
+    panels = []  # the curves of each loss panel, as (label, colour, line style)
+    save = report._save
+
+    def keep_panels(plt, fig, path):
+        if path.name == "loss.png":
+            panels.extend([(l.get_label(), l.get_color(), l.get_linestyle())
+                           for l in ax.get_lines()] for ax in fig.axes)
+        return save(plt, fig, path)
+
+    monkeypatch.setattr(report, "_save", keep_panels)
+    out = tmp_path / "report"
+    assert report.main([str(many_runs), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    cols, rows = header(printed), table_rows(printed)
+    assert len(rows) == 18
+    assert not any("archived" in r[cols.index("run")] for r in rows)
+    assert "left out 2 archived run(s)" in printed and "--include-archived" in printed
+
+    by_name = {r[cols.index("run")]: dict(zip(cols, r)) for r in rows}
+    busy = by_name["02-experiment-with-a-long-name-01"]
+    assert (busy["seq"], busy["batch"], busy["accum"], busy["data"], busy["threads"],
+            busy["load/cores"]) == ("64", "4", "2", "padded", "1 × 2", "3.5/2 !")
+    calm = by_name["03-experiment-with-a-long-name-02"]
+    assert (calm["accum"], calm["data"], calm["threads"], calm["load/cores"]) == \
+        ("3", "packed", "1 × 1", "1.0/2")
+    old = by_name["01-experiment-with-a-long-name-00"]  # a summary without the new fields
+    assert [old[c] for c in ("seq", "batch", "accum", "data", "threads", "load/cores")] == ["-"] * 6
+
+    # fixed width; bar charts one row per run, so taller than for 3 runs but not huge
+    small = tmp_path / "small"
+    assert report.main([str(runs_dir), "--out", str(small)]) == 0
+    for name in report.PLOTS:
+        assert_png(out / name)
+        width, height = png_size(out / name)
+        assert 800 <= width <= 1600 and height <= 2500, (name, width, height)
+    for name in ("tokens_per_s.png", "step_time.png"):
+        assert png_size(out / name)[1] > png_size(small / name)[1] + 400
+        assert png_size(out / name)[0] == png_size(small / name)[0]
+
+    # loss curves: at most 8 per panel, no colour/style pair repeated within a panel
+    assert len(panels) == 1 + 4 and sum(map(len, panels)) == 18 + 3  # 5 runs per chapter
+    for curves in panels:
+        assert 0 < len(curves) <= report.CURVES_PER_PANEL
+        assert len({(str(c), s) for _, c, s in curves}) == len(curves)
+        assert len({str(c) for _, c, _ in curves}) == len(curves)
+
+
+def test_archived_runs_on_request_are_labelled(many_runs, tmp_path, capsys):
+    assert report.main([str(many_runs), "--include-archived", "--out", str(tmp_path / "r")]) == 0
+    printed = capsys.readouterr().out
+    cols, rows = header(printed), table_rows(printed)
+    names = [r[cols.index("run")] for r in rows]
+    assert len(rows) == 20 and "archived run(s)" not in printed
+    archived = [n for n in names if "archived" in n]
+    assert archived == ["03-experiment-with-a-long-name-02 (archived 20261122-010203)",
+                        "04-experiment-with-a-long-name-03 (archived 20261122-010203)"]
+    for n in archived:  # next to the current run of the same name
+        assert names[names.index(n) - 1] == n.split(" (")[0]
+
+    # an archive folder named directly is read without the flag
+    archive = many_runs / "03-experiment-with-a-long-name-02" / "archive-20261122-010203"
+    assert report.main([str(archive), "--out", str(tmp_path / "a")]) == 0
+    rows = table_rows(capsys.readouterr().out)
+    assert len(rows) == 1 and rows[0][cols.index("run")].endswith("(archived 20261122-010203)")
