@@ -269,8 +269,8 @@ def _bar_figure(plt, runs, title: str, xlabel: str):
     """One horizontal bar row per run, the first run on top; labels = run names."""
     fig, ax = plt.subplots(figsize=(FIG_WIDTH_IN, 1.6 + ROW_IN * len(runs)),
                            layout="constrained")
-    ax.set_yticks(range(len(runs)), [_short(f"{r.name} ({r.summary['device']} × "
-                                            f"{r.summary['num_devices']})") for r in runs])
+    ax.set_yticks(range(len(runs)), [f"{_short(r.name)} ({r.summary['device']} × "
+                                     f"{r.summary['num_devices']})" for r in runs])
     ax.set_ylim(len(runs) - 0.5, -0.5)
     ax.set_xlabel(xlabel)
     ax.set_title(title)
@@ -278,7 +278,7 @@ def _bar_figure(plt, runs, title: str, xlabel: str):
     return fig, ax
 
 
-def _short(label: str, limit: int = 64) -> str:
+def _short(label: str, limit: int = 72) -> str:
     """Long labels lose their middle: the start and the end (an archive's time) stay."""
     if len(label) <= limit:
         return label
@@ -365,7 +365,7 @@ def plot_loss(runs: list[Run], path: Path) -> Path | None:
                 ax.plot([m["step"] for m in r.metrics], [m["loss"] for m in r.metrics],
                         color=colours[i], linestyle=styles[i % len(styles)],
                         linewidth=2.2 - 0.3 * (i % len(styles)),
-                        marker="." if len(r.metrics) < 30 else None, label=_short(r.name, 56))
+                        marker="." if len(r.metrics) < 30 else None, label=_short(r.name, 64))
             ax.set_ylabel("training loss")
             ax.grid(alpha=0.3)
             ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=FONT_SIZE - 1)
