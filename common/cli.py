@@ -217,6 +217,8 @@ def check_args(args, *, run_dir_must_be_new: bool = True) -> None:
     except DataError as e:
         raise UsageError(str(e)) from None
     check_device(args.device)
+    if args.cache_dir and os.path.exists(args.cache_dir) and not os.path.isdir(args.cache_dir):
+        raise UsageError(f"--cache-dir {args.cache_dir!r} exists and is not a folder")
 
 
 def check_launch_one(args) -> None:

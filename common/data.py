@@ -436,10 +436,10 @@ def prepare(load, errors=(DataError,)):
     cache, then the other ranks read it (machines need not share a disk), and an error
     on any rank stops every rank with that message instead of leaving peers waiting."""
     from .cli import fail
-    from .distributed import first_error
+    from .distributed import first_error, patient_group
 
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    result = None
+    result, group = None, patient_group()  # waits for the data are not bounded by --timeout
     for turn in (0, 1):  # turn 0: local rank 0 of each machine; turn 1: the others
         error = None
         if (local_rank == 0) == (turn == 0):
@@ -447,7 +447,7 @@ def prepare(load, errors=(DataError,)):
                 result = load()
             except errors as e:
                 error = str(e)
-        error = first_error(error)
+        error = first_error(error, group)
         if error:
             fail(error)
     return result

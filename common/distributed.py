@@ -31,14 +31,23 @@ DDP_NO_BUFFER_SYNC = ({"forward_sync_buffers": False}
                       else {"broadcast_buffers": False})
 
 
-def first_error(error: str | None) -> str | None:
+def first_error(error: str | None, group=None) -> str | None:
     """Every rank passes its error (or None) and gets the lowest rank's error back. A
     collective: every rank calls it. Without a process group it returns `error`."""
     if not (dist.is_available() and dist.is_initialized()):
         return error
     errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
+    dist.all_gather_object(errors, error, group=group)
     return next((e for e in errors if e), None)
+
+
+def patient_group(seconds: float = 4 * 3600):
+    """A CPU (gloo) group of all ranks whose waits may last `seconds`: for waiting on work
+    that is not a collective (a peer training the tokenizer), which --timeout, meant for
+    collectives, should not cut short. A collective: every rank calls it."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=seconds))
 
 
 def init_process_group_for_restarts(backend: str, timeout: timedelta, **kwargs):

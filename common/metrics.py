@@ -471,9 +471,9 @@ def comparison_warnings(summary: dict, baseline: dict) -> list[str]:
     notes = []
     eff = summary.get("scaling_efficiency")
     if eff is not None and eff > 1.05:
-        notes.append(f"scaling efficiency above 100%: the baseline ran slower than this run's "
-                     f"devices (a busier machine then, or another thread budget); rerun both "
-                     f"on an idle machine to compare")
+        notes.append("scaling efficiency above 100%: the baseline ran slower than this run's "
+                     "devices (a busier machine then, or another thread budget); rerun both "
+                     "on an idle machine to compare")
     per_machine = [s.get("threads_per_process", 0) * s.get("processes_per_machine", 0)
                    for s in (summary, baseline)]
     if all(per_machine) and per_machine[0] != per_machine[1]:

@@ -12,6 +12,7 @@ torchrun it also asks the kernel to stop this worker (SIGTERM) if torchrun dies.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from pathlib import Path
@@ -20,6 +21,7 @@ import torch
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from .cli import fail
 from .data import show_progress
 from .distributed import share_cpu_threads
 from .durable import dir_size_mb
@@ -59,7 +61,7 @@ class Tracker:
         self.first_step_start, self.first_step_s = None, None
         self.t_start = time.perf_counter()
         # Log lines go through tqdm.write while the bar is shown, so neither garbles the other.
-        self._redirect = logging_redirect_tqdm([log]) if rank == 0 else None
+        self._redirect = logging_redirect_tqdm() if rank == 0 and show_progress() else None
         if self._redirect:
             self._redirect.__enter__()
         self.bar = tqdm(total=total_steps, initial=start_step, desc=chapter, dynamic_ncols=True,
@@ -88,6 +90,8 @@ class Tracker:
         # the window since the last log: wall time after one wait for the device, and the
         # mean phase split of its steps (an estimate on GPUs, where phases overlap)
         window = self.stats.end_window()
+        if not math.isfinite(values.get("loss", 0.0)):
+            return self.diverged(step, values)
         if self.rank == 0:
             record = {"step": step, **values, "tokens_per_s": window.tokens_per_s,
                       **{f"{k}_s": v for k, v in window.phase_s.items()},
@@ -96,6 +100,18 @@ class Tracker:
             self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
             self.logger.info("step %d/%d | loss %.4f | lr %.2e | %.0f tokens/s", step, self.total_steps,
                           record["loss"], record["lr"], record["tokens_per_s"])
+
+    def diverged(self, step: int, values: dict):
+        """A non-finite loss: the run has diverged and more steps only spread NaN. Keep what
+        it produced (metrics up to here, a summary saying where), then stop with one line."""
+        if self.rank == 0:
+            self.writer.write({"step": step, **values})
+            write_json(self.run_dir / "summary.json", {
+                "chapter": self.chapter, "diverged_at_step": step, "loss": str(values["loss"]),
+                "steps": len(self.stats.steps), "tokens_per_s": self.stats.tokens_per_s()})
+        self.close()
+        fail(f"the loss is {values['loss']} at step {step}: the run diverged (lower --lr, or "
+             f"check the data); metrics.jsonl and summary.json in {self.run_dir} say where", status=1)
 
     def saved(self, checkpoint) -> Path:
         """Note a checkpoint save: (folder, seconds). Returns the folder."""

@@ -212,3 +212,33 @@ def test_compiled_and_eager_training_agree(tmp_path):
     summary = read_json(tmp_path / "compiled" / "summary.json")
     assert summary["compiled"] and summary["compile_s"] > 0
     assert "| torch.compile" in compiled.stdout and "| torch.compile" not in eager.stdout
+
+
+def test_a_diverging_run_stops_with_one_line_and_keeps_what_it_made(tmp_path):
+    """--lr 1e30 passes the flag checks (finite, positive) and the loss turns NaN within a
+    few steps: the run says at which step in one line, exit status 1, and keeps its
+    metrics and a summary naming the step."""
+    proc = run(python_cmd(SCRIPT, *train_args(tmp_path, "div", 20, "--lr", "1e30",
+                                               "--warmup-steps", "0")), check=False)
+    assert proc.returncode == 1
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith("error: the loss is nan at step ") and "the run diverged" in line
+    step = int(line.split("at step ")[1].split(":")[0])
+    summary = read_json(tmp_path / "div" / "summary.json")
+    assert summary["diverged_at_step"] == step < 20
+    assert read_jsonl(tmp_path / "div" / "metrics.jsonl")[-1]["step"] == step
+
+
+def test_max_steps_ends_the_run_whatever_num_epochs_says(tmp_path):
+    """--max-steps wins: 10**12 epochs do not make the run spin after its last step, and
+    steps beyond one epoch run on into the next epochs."""
+    run(python_cmd(SCRIPT, *train_args(tmp_path, "many-epochs", 3, "--num-epochs", 10**12)),
+        timeout=120)
+    assert [r["step"] for r in read_jsonl(tmp_path / "many-epochs" / "metrics.jsonl")] == [1, 2, 3]
+    small = tmp_path / "tiny.txt"  # a corpus of 13 samples: one epoch is 3 steps of 4
+    small.write_text("def f(x):\n    return x + 1\n" * 40)
+    proc = run(python_cmd(SCRIPT, *train_args(tmp_path, "epochs", 5, "--dataset-name", small,
+                                               "--vocab-size", "300", "--seq-length", "32")))
+    assert "training 5 steps (" in proc.stdout
+    records = read_jsonl(tmp_path / "epochs" / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5] and records[-1]["epoch"] >= 1
