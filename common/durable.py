@@ -86,8 +86,12 @@ def dir_size_mb(path: Path) -> float:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file()) / 2**20
 
 
-def is_disk_full(e: BaseException) -> bool:
-    return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+def is_disk_full(e: BaseException, where: Path | None = None) -> bool:
+    """ENOSPC or EDQUOT; or, for errors that hide it (torch.save's zip writer raises a
+    RuntimeError), less than 8 MB left where the write went."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return where is not None and shutil.disk_usage(where).free < 8 * 2**20
 
 
 def disk_full_message(folder: Path, needed_mb: float) -> str:

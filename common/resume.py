@@ -86,13 +86,17 @@ def commit_on_rank0(commit, rank: int, tmp: Path | None = None):
     if rank == 0:
         try:
             commit()
-        except OSError as e:
+        except (OSError, RuntimeError) as e:  # torch.save reports a full disk as RuntimeError
             size = dir_size_mb(tmp) if tmp and tmp.exists() else 0
             if tmp:
                 shutil.rmtree(tmp, ignore_errors=True)  # never leave a full disk fuller
-            where = tmp.parent if tmp else Path(e.filename or ".").parent
-            error = (disk_full_message(where, size) if is_disk_full(e)
-                     else f"writing {e.filename or where} failed: {e.strerror or e}")
+            where = tmp.parent if tmp else Path(getattr(e, "filename", None) or ".").parent
+            if is_disk_full(e, where):
+                error = disk_full_message(where, size)
+            elif isinstance(e, OSError):
+                error = f"writing {e.filename or where} failed: {e.strerror or e}"
+            else:
+                raise
     error = first_error(error)
     if error:
         fail(error)

@@ -203,3 +203,25 @@ def test_workers_stop_when_their_launcher_is_killed(tmp_path):
         kill_job(job.pid)
     assert not alive, f"orphaned workers still running: {alive}"
     assert len(read_jsonl(metrics)) < 400
+
+
+def test_a_full_disk_stops_the_run_with_one_line_and_leaves_no_debris(tmp_path):
+    """A 20 MB file system (tmpfs) holds one 13 MB checkpoint, not two: the second save
+    fails with ENOSPC. Every rank stops with the same line, the half-written folder is
+    gone, and the first checkpoint is still `latest`."""
+    disk = tmp_path / "small"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(disk)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.strip()}")
+    try:
+        proc = train(disk, check=False)
+        assert proc.returncode != 0
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+        assert errors and all("disk full while saving into" in e for e in errors), proc.stderr[-3000:]
+        ckpt = disk / NAME / "checkpoints"
+        assert not list(ckpt.glob(".tmp-*"))
+        assert (ckpt / "latest").read_text() == step_dir(4)
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
