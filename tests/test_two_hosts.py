@@ -197,6 +197,8 @@ def test_ch04_on_two_hosts_cut_cable_then_kill_then_resume_exactly(hosts, tmp_pa
     left = {n: host_pids(n) for n in hosts.names}
     statuses, texts = wait_both(procs, logs, timeout=1)
     restore_link(hosts)
+    assert None not in ended, (f"a torchrun still ran {TIMEOUT + 60} s after the cut: {ended}, "
+                               f"{left}", show(texts))
     print(f"\ncable cut after step {steps_logged(metrics)}, --timeout {TIMEOUT}: host1 torchrun "
           f"exited {statuses[0]} after {ended[0]:.1f} s, host2 torchrun exited {statuses[1]} "
           f"after {ended[1]:.1f} s")
