@@ -166,7 +166,12 @@ def main(argv=None):
         p.error("--warmup must not be negative")
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(args.device)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        p.error(f"--device {args.device!r} is not a device (auto, cpu, cuda:N)")
+    if device.type not in ("cpu", "cuda"):
+        p.error(f"--device {args.device!r} is not supported (auto, cpu, cuda:N)")
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error(f"--device {args.device}: CUDA is not available here")
 

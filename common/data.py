@@ -189,9 +189,21 @@ def load_corpus(name: str, subset: str | None = None, text_column: str = "text")
     if name == "stdlib":
         corpus = _stdlib_corpus()
     elif looks_local(name):
-        corpus = _local_corpus(name, text_column)
+        try:
+            corpus = _local_corpus(name, text_column)
+        except DataError:
+            raise
+        except Exception as e:  # datasets' builders: not text, not JSON lines, ...
+            cause = e.__cause__ or e
+            first = str(cause).strip().splitlines()[0][:160] if str(cause).strip() else ""
+            raise DataError(f"could not read {name!r} as text or JSON lines "
+                            f"({type(cause).__name__}: {first})") from None
     else:
         corpus = _hub_corpus(name, subset, text_column)
+    bad = next((t for t in corpus.dataset[:1000]["text"] if t is not None and not isinstance(t, str)), None)
+    if bad is not None:
+        raise DataError(f"column {text_column!r} of {name!r} holds {type(bad).__name__} values "
+                        f"(e.g. {bad!r}), not text; pick the text column with --text-column")
     with quiet_datasets():  # a fast filter needs no bar
         corpus.dataset = corpus.dataset.filter(
             lambda b: [bool(t and t.strip()) for t in b["text"]], batched=True)

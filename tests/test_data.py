@@ -282,3 +282,18 @@ def test_too_small_datasets_are_refused(corpus_dir, tmp_path):
     with pytest.raises(DataError, match=r"7 samples.*global batch of 8") as err:
         check_enough_samples(ds, 8)
     one_line(err)
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("bin.txt", bytes(range(128, 256)) * 20, "could not read"),
+    ("bad.jsonl", b'{"text": "a"}\n{bad json\n', "could not read"),
+    ("num.jsonl", b'{"text": 5}\n{"text": 7}\n', "holds int values"),
+])
+def test_unreadable_local_files_are_one_line_data_errors(tmp_path, name, content, message):
+    from common.data import DataError, load_corpus
+
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(DataError) as err:
+        load_corpus(str(path))
+    assert message in str(err.value) and "\n" not in str(err.value)
