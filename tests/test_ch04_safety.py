@@ -18,6 +18,17 @@ from conftest import REPO, read_json, read_jsonl, run, torchrun_cmd
 from test_ch04_checkpointing import (NAME, SCRIPT, assert_same_as_uninterrupted, copy_run,
                                      flags, kill_job, snapshot, step_dir, train)
 
+def start_job(cmd, log, until, timeout=240):
+    """A torchrun job in a session of its own, output to `log`; returns once `until()`
+    holds (or the job ended, or `timeout` passed)."""
+    job = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                           env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while job.poll() is None and time.monotonic() < deadline and not until():
+        time.sleep(0.01)
+    return job
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     save_dir = tmp_path_factory.mktemp("safety-ref")
@@ -148,12 +159,7 @@ def test_a_signal_saves_a_checkpoint_and_the_rerun_continues_exactly(tmp_path, r
     cmd = [str(c) for c in torchrun_cmd(2, SCRIPT, *flags(tmp_path, "--ckpt-freq", 100))]
     metrics = tmp_path / NAME / "metrics.jsonl"
     with open(tmp_path / "job.log", "w") as log:
-        job = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
-        deadline = time.monotonic() + 240
-        while job.poll() is None and time.monotonic() < deadline and \
-                (not metrics.exists() or metrics.read_text().count("\n") < 5):
-            time.sleep(0.01)
+        job = start_job(cmd, log, until=lambda: metrics.exists() and metrics.read_text().count("\n") >= 5)
         os.killpg(job.pid, sig)  # the whole job, as a terminal's Ctrl-C does
         t0 = time.monotonic()
         try:
@@ -184,11 +190,7 @@ def test_workers_stop_when_their_launcher_is_killed(tmp_path):
     cmd = [str(c) for c in torchrun_cmd(2, SCRIPT, *flags(tmp_path, "--max-steps", 400))]
     metrics = tmp_path / NAME / "metrics.jsonl"
     with open(tmp_path / "job.log", "w") as log:
-        job = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and (not metrics.exists() or not metrics.read_text()):
-            time.sleep(0.01)
+        job = start_job(cmd, log, until=lambda: metrics.exists() and bool(metrics.read_text()))
         workers = subprocess.run(["pgrep", "-P", str(job.pid)], capture_output=True,
                                  text=True).stdout.split()
         assert workers
