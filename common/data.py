@@ -285,7 +285,7 @@ def tokenize_corpus(corpus: Corpus, tok, cache_dir: Path | None = None):
     key = hashlib.sha256(f"{corpus.identity}|{tok_hash}".encode()).hexdigest()[:16]
     path = cache_dir / f"tokenized-{key}"
     if (path / "dataset_info.json").exists():
-        return datasets.load_from_disk(str(path))
+        return _load_cached(path)
 
     def encode(batch):
         return {"ids": [e.ids for e in tok.encode_batch(batch["text"], add_special_tokens=False)]}
@@ -301,7 +301,18 @@ def tokenize_corpus(corpus: Corpus, tok, cache_dir: Path | None = None):
         os.replace(tmp, path)
     except OSError:  # another process finished first
         shutil.rmtree(tmp, ignore_errors=True)
-    return datasets.load_from_disk(str(path))
+    return _load_cached(path)
+
+
+def _load_cached(path: Path):
+    """The tokenized corpus from the cache; a damaged one is a one-line DataError."""
+    import datasets
+
+    try:
+        return datasets.load_from_disk(str(path))
+    except Exception as e:
+        raise DataError(f"the tokenized cache {path} cannot be read ({type(e).__name__}); delete "
+                        f"it (rm -r {path}) and run again to rebuild it") from None
 
 
 def split_documents(tokenized, val_fraction: float = 0.05, split_seed: int = 0):

@@ -25,6 +25,7 @@ labelled `<run> (archived <time>)`. A folder named directly is always read, arch
 from __future__ import annotations
 
 import json
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,7 +89,7 @@ def read_loss_curve(path: Path) -> list[dict]:
         except json.JSONDecodeError:
             continue
         if isinstance(rec, dict) and isinstance(rec.get("step"), (int, float)) \
-                and isinstance(rec.get("loss"), (int, float)):
+                and isinstance(rec.get("loss"), (int, float)) and math.isfinite(rec["step"]):
             by_step[int(rec["step"])] = rec
     return [by_step[s] for s in sorted(by_step)]
 
@@ -216,7 +217,10 @@ def device_warning(runs: list[Run]) -> str | None:
 
 
 def notes_section(runs: list[Run]) -> list[str]:
-    return [f"- {r.name}: {note}" for r in runs for note in r.summary.get("notes") or []]
+    def notes(r):  # a list of lines; a lone string (a hand-edited summary) is one note
+        n = r.summary.get("notes") or []
+        return [n] if isinstance(n, str) else [str(x) for x in n]
+    return [f"- {r.name}: {note}" for r in runs for note in notes(r)]
 
 
 def render_report(runs: list[Run]) -> str:
