@@ -278,7 +278,6 @@ def special_ids(tok) -> dict[str, int]:
 def tokenize_corpus(corpus: Corpus, tok, cache_dir: Path | None = None):
     """A datasets.Dataset with one `ids` list per document (no special tokens), made
     once with a batched `map` and reused from disk afterwards."""
-    import datasets
 
     cache_dir = Path(cache_dir or default_cache_dir())
     tok_hash = hashlib.sha256(tok.to_str().encode()).hexdigest()[:16]

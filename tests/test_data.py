@@ -297,3 +297,16 @@ def test_unreadable_local_files_are_one_line_data_errors(tmp_path, name, content
     with pytest.raises(DataError) as err:
         load_corpus(str(path))
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_damaged_tokenized_cache_says_how_to_rebuild_it(tmp_path):
+    from common.data import DataError, build_datasets
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("def f(x):\n    return x + 1\n" * 50)
+    build_datasets(str(corpus), 16, vocab_size=300, cache_dir=tmp_path / "cache")
+    [cached] = (tmp_path / "cache").glob("tokenized-*")
+    for arrow in cached.glob("*.arrow"):
+        arrow.write_bytes(b"not arrow")
+    with pytest.raises(DataError, match=r"cannot be read .*rm -r .*run again"):
+        build_datasets(str(corpus), 16, vocab_size=300, cache_dir=tmp_path / "cache")

@@ -296,3 +296,17 @@ def test_archived_runs_on_request_are_labelled(many_runs, tmp_path, capsys):
     assert report.main([str(archive), "--out", str(tmp_path / "a")]) == 0
     rows = table_rows(capsys.readouterr().out)
     assert len(rows) == 1 and rows[0][cols.index("run")].endswith("(archived 20261122-010203)")
+
+
+def test_odd_but_harmless_inputs_do_not_stop_the_report(tmp_path):
+    """A metrics step of 1e400 (JSON's infinity) is skipped, and notes written as one
+    string (a hand-edited summary) are one note."""
+    from common.report import notes_section, read_loss_curve
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1, "loss": 2.0}\n{"step": 1e400, "loss": 1.0}\n')
+    assert [r["step"] for r in read_loss_curve(metrics)] == [1]
+
+    class Run:
+        name, summary = "r", {"notes": "one note"}
+    assert notes_section([Run()]) == ["- r: one note"]
