@@ -14,7 +14,6 @@ equal DDP's within TOLERANCE, else exit 1. Prints bytes held and sent per rank, 
     torchrun --standalone --nproc-per-node=4 05-collectives/sharded_from_scratch.py --dtype fp64
 """
 
-import itertools
 import sys
 from pathlib import Path
 
@@ -23,16 +22,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler
 
 # Runnable from the repo root or from inside this folder, installed or not.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.cli import (UsageError, comma_list, non_negative_int, one_of, positive_float,  # noqa: E402
-                        positive_int, script_parser, seed_value)
-from common.data import (IGNORE_INDEX, DataError, build_datasets, check_dataset_name,  # noqa: E402
-                         check_enough_samples, prepare)
+from common.cli import UsageError, comma_list, non_negative_int, one_of, positive_int, script_parser  # noqa: E402
+from common.data import IGNORE_INDEX, fixed_batches  # noqa: E402
 from common.distributed import DDP_NO_BUFFER_SYNC, destroy_process_group, start_demo  # noqa: E402
-from common.model import PRESETS, LlamaForCausalLM, get_config, num_parameters  # noqa: E402
+from common.model import LlamaForCausalLM, get_config, num_parameters  # noqa: E402
 from common import sharding  # noqa: E402
 
 MODES = ("ddp", "zero1", "zero3", "fsdp2")
@@ -46,30 +42,17 @@ TOLERANCE = {name: 1024 * torch.finfo(dtype).eps / 2 for name, dtype in DTYPES.i
 
 def parse_args(argv=None):
     p = script_parser("05-sharded-from-scratch", "ZeRO-1 and ZeRO-3 from reduce_scatter + "
-                      "all_gather, beside DDP and FSDP2, proven equal to DDP.", min_world=2)
-    p.add_argument("--model-preset", default="small", type=one_of(*PRESETS), help="model size")
-    p.add_argument("--seq-length", type=positive_int, default=128, help="tokens per sample")
-    p.add_argument("--batch-size", type=positive_int, default=8, help="samples per step, per process")
+                      "all_gather, beside DDP and FSDP2, proven equal to DDP.", min_world=2,
+                      training=True)
     p.add_argument("--steps", type=positive_int, default=8, help="optimizer steps per mode")
     p.add_argument("--timing-warmup", type=non_negative_int, default=2, help="untimed first steps")
-    p.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW learning rate (constant)")
-    p.add_argument("--seed", type=seed_value, default=0, help="initial weights and data order")
     p.add_argument("--modes", type=comma_list(*MODES), default=",".join(MODES), help="comma list")
     p.add_argument("--dtype", type=one_of(*DTYPES), default="fp32", help="fp64: the tightest proof")
-    p.add_argument("--dataset-name", default="stdlib", help="'stdlib' (offline), a hub id or a local path")
 
     def check(args):
-        max_pos = PRESETS[args.model_preset]["max_position_embeddings"]
-        if args.seq_length > max_pos:
-            raise UsageError(f"--seq-length {args.seq_length} exceeds the {args.model_preset!r} "
-                             f"preset's max_position_embeddings={max_pos}")
         if args.steps <= args.timing_warmup:
             raise UsageError(f"--steps {args.steps} leaves no step to time after "
                              f"--timing-warmup {args.timing_warmup}")
-        try:
-            check_dataset_name(args.dataset_name)
-        except DataError as e:
-            raise UsageError(str(e)) from None
     p.checks.insert(0, check)  # before "launch with torchrun": the flags come first
     return p.parse_args(argv)
 
@@ -282,27 +265,10 @@ def main():
         destroy_process_group()
 
 
-def load_batches(args, demo):
-    """Each rank's shard of one shared shuffle (DistributedSampler, as in chapter 03),
-    loaded once before any timing and reused by every mode."""
-    def load():
-        data = build_datasets(args.dataset_name, args.seq_length, packed=True)
-        check_enough_samples(data.train, args.batch_size * demo.world)
-        return data
-    data = prepare(load)
-    sampler = DistributedSampler(data.train, num_replicas=demo.world, rank=demo.rank, shuffle=True,
-                                 seed=args.seed, drop_last=True)
-    loader = DataLoader(data.train, batch_size=args.batch_size, sampler=sampler, drop_last=True)
-
-    def epochs():  # as many passes as --steps needs, each with its own shuffle
-        for epoch in itertools.count():
-            sampler.set_epoch(epoch)
-            yield from loader
-    return data, [(x.to(demo.device), y.to(demo.device)) for x, y in itertools.islice(epochs(), args.steps)]
-
-
 def run(args, demo):
-    data, batches = load_batches(args, demo)
+    # each rank's shard of one shared shuffle (as in chapter 03), loaded before any timing
+    data, batches = fixed_batches(args.dataset_name, args.seq_length, args.batch_size, args.steps,
+                                  args.seed, demo.rank, demo.world, demo.device)
     config = get_config(args.model_preset, data.vocab_size)
     n_params = num_parameters(LlamaForCausalLM(config))
     summary = sharding.start_summary(args, demo, n_params, TOLERANCE[args.dtype])

@@ -293,12 +293,16 @@ def script_parser(name: str, description: str, *, min_world: int = 2,
         p.add_argument("--seed", type=seed_value, default=0, help="initial weights (plus rank), data order")
         p.add_argument("--dataset-name", default="stdlib", help="'stdlib', a hub id, or a local path")
 
-        def check_length(args):
+        def check_training(args):
             max_pos = PRESETS[args.model_preset]["max_position_embeddings"]
             if args.seq_length > max_pos:
                 raise UsageError(f"--seq-length {args.seq_length} exceeds the {args.model_preset!r} "
                                  f"preset's max_position_embeddings={max_pos}")
-        p.checks.append(check_length)
+            try:
+                check_dataset_name(args.dataset_name)
+            except DataError as e:
+                raise UsageError(str(e)) from None
+        p.checks.append(check_training)
     p.add_argument("--timeout", type=seconds, default=600,
                    help="seconds a collective may wait for the other ranks before failing")
     if run_folder:
