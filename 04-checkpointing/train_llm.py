@@ -3,6 +3,8 @@
 Every --ckpt-freq steps, at the end, and on Ctrl-C or SIGTERM, the whole training state
 is saved atomically. The same command started again resumes from the newest checkpoint
 that loads, at the exact data position, with exactly the losses of an uninterrupted run.
+The lesson is in this folder: checkpoint.py (the state, saving, loading) and
+preemption.py (a signal turned into one step every rank stops at).
 
     torchrun --standalone --nproc-per-node=2 04-checkpointing/train_llm.py --experiment-name run1
     torchrun --standalone --nproc-per-node=2 --max-restarts=3 04-checkpointing/train_llm.py --crash-at-step 15
@@ -13,34 +15,33 @@ import json
 import math
 import os
 import random
-import shutil
 import sys
-import time
 from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-# Runnable from the repo root or from inside this folder, installed or not.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# Runnable from the repo root or from inside this folder, installed or not; the lesson's
+# modules lie beside this script.
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+from checkpoint import (FORMAT_VERSION, ResumableSampler, TrainState, checkpoint_candidates,  # noqa: E402
+                        load_latest, save_checkpoint)
+from preemption import StopRequest, data_workers_apart  # noqa: E402
 from common.cli import base_parser, checkpoint_folder, non_negative_int, positive_int, setup_logging  # noqa: E402
 from common.data import IGNORE_INDEX, build_datasets, check_enough_samples, dataset_info, prepare  # noqa: E402
 from common.distributed import DDP_NO_BUFFER_SYNC, destroy_process_group, init_process_group_for_restarts  # noqa: E402
-from common.durable import fsync_write, write_manifest  # noqa: E402
+from common.checkpoint_folder import run_settings  # noqa: E402
+from common.durable import atomic_write  # noqa: E402
 from common.masks import build_attention_mask  # noqa: E402
 from common.metrics import environment_info  # noqa: E402
 from common.model import LlamaForCausalLM, describe, flops_per_token, get_config, num_parameters  # noqa: E402
-from common.resume import (ResumableSampler, all_rng_states, checkpoint_candidates, commit_on_rank0,  # noqa: E402
-                           load_newest, point_latest_to, prune_checkpoints, run_settings, set_rng_states, sharded_folder)
 from common.runfolder import archive_run, claim_run_folder  # noqa: E402
-from common.stopping import StopRequest, crash_once, run_main  # noqa: E402
+from common.stopping import run_main  # noqa: E402
 from common.tracker import Tracker  # noqa: E402
 from common.training import build_optimizer, evaluate, lr_lambda, sample  # noqa: E402
 
@@ -56,8 +57,6 @@ def parse_args(argv=None):
     parser.add_argument("--ckpt-freq", type=non_negative_int, default=25,
                         help="save a checkpoint every N steps (and always at the end); 0 = only at the end")
     parser.add_argument("--keep-last", type=positive_int, default=2, help="checkpoints to keep")
-    parser.add_argument("--sharded", action="store_true",
-                        help="save with torch.distributed.checkpoint: each rank writes its part")
     start = parser.add_mutually_exclusive_group()
     start.add_argument("--fresh", action="store_true",
                        help="start at step 0; earlier files move to an archive-* folder, once per job")
@@ -111,7 +110,8 @@ def load_data(args, device, rank, world_size):
     loader = DataLoader(data.train, batch_size=args.batch_size, sampler=sampler,
                         drop_last=True,  # every step sees a full batch
                         num_workers=args.num_workers, pin_memory=device.type == "cuda",
-                        generator=torch.Generator().manual_seed(args.seed))  # not the global RNG
+                        generator=torch.Generator().manual_seed(args.seed),  # not the global RNG
+                        worker_init_fn=data_workers_apart)  # a stop signal is the trainer's to handle
     # Validation is split too: rank r evaluates samples r, r + world_size, ...
     val_sampler = DistributedSampler(data.val, num_replicas=world_size, rank=rank, shuffle=False)
     val_loader = DataLoader(data.val, batch_size=args.batch_size, sampler=val_sampler, num_workers=0)
@@ -126,72 +126,33 @@ def compute_loss(model, x, y, attn_mask):
                            reduction="sum")
 
 
-# ---- checkpoints -----------------------------------------------------------------------
-FORMAT_VERSION = 2
-
-
-def save_checkpoint(ckpt_dir: Path, state: dict, model, optimizer, *, sharded, keep_last, rank):
-    """Write into .tmp-step-N, rename it to step-N, then repoint `latest`: the commit. A kill
-    at any moment leaves the previous checkpoint and pointer untouched. (folder, seconds)"""
-    t0 = time.perf_counter()
-    tmp, final = ckpt_dir / f".tmp-step-{state['step']:08d}", ckpt_dir / f"step-{state['step']:08d}"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # debris of an earlier kill
-        tmp.mkdir(parents=True)
-    if dist.is_initialized():
-        dist.barrier()  # the folder exists before anyone writes into it
-    if sharded:
-        # each rank writes its part (replicated tensors once) to storage every rank can reach
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp / "sharded")
-    else:
-        # DDP replicas are identical: rank 0's copy is everyone's.
-        state = {**state, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
-    def commit():  # rank 0, while the others wait
-        fsync_write(tmp / "state.pt", lambda f: torch.save(state, f))
-        write_manifest(tmp, {"settings": state["settings"]})  # a checksum of every file
-        shutil.rmtree(final, ignore_errors=True)  # the same step, saved before a crash
-        os.rename(tmp, final)
-        point_latest_to(final)  # the commit point: `latest` replaced atomically, then fsynced
-        prune_checkpoints(ckpt_dir, final, keep_last)
-    commit_on_rank0(commit, rank, tmp)  # an error (a full disk) stops every rank
-    return final, time.perf_counter() - t0
-
-
-def read_checkpoint(path: Path) -> dict:
-    """On rank 0. weights_only=True: tensors and plain containers, never arbitrary objects."""
-    return torch.load(path / "state.pt", map_location="cpu", weights_only=True)
-
-
-def load_checkpoint(state: dict, path: Path, model, optimizer):
-    """On every rank: rank 0's copy, which it sent to all (no shared disk needed); or with
-    --sharded each rank's own part, which DCP reads from storage every rank can reach."""
-    if state["sharded"]:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.load({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=sharded_folder(path))
-        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
-    else:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-
-
-def resume(args, run_dir, model, optimizer, scheduler, device, rank, settings, log):
-    """Restore the newest checkpoint of this run that loads; return (step, epoch, steps
-    done in it). `settings` define the run: the flags that change what is trained, the
-    global batch, the corpus and tokenizer, the format. Another run's checkpoint stops it."""
-    if args.fresh and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0 and rank == 0:
-        log.info("--fresh: earlier files moved to %s", archive_run(run_dir))  # once per job
+def resume(args, run_dir, train_state, rank, settings, log):
+    """Restore the newest checkpoint of this run that loads (or --resume-from's). Returns
+    its path, or None for a fresh start. --fresh and --resume-from act once per job: a
+    torchrun restart resumes from the newest checkpoint, as any rerun does."""
+    first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0
     ckpt_dir = run_dir / "checkpoints"
-    candidates = ([] if args.fresh else [Path(args.resume_from)] if args.resume_from
-                  else checkpoint_candidates(ckpt_dir))  # rank 0's list counts: its disk
-    state, path = load_newest(candidates, read_checkpoint, load_checkpoint, model, optimizer, rank=rank,
-                              settings=settings, log=log, rollback_in=args.resume_from and ckpt_dir)
-    if state:  # the same global batch, so batch k is the same samples whatever the world size
-        scheduler.load_state_dict(state["scheduler"])
-        set_rng_states(state["rng"][rank % len(state["rng"])], device)
-        log.info("resumed from %s: step %d, epoch %d, %d steps into it", path, state["step"],
-                 state["epoch"], state["step_in_epoch"])
-    return (state["step"], state["epoch"], state["step_in_epoch"]) if state else (0, 0, 0)
+    if args.fresh and first_attempt:
+        if rank == 0:
+            log.info("--fresh: earlier files moved to %s", archive_run(run_dir))
+        return None
+    chosen = Path(args.resume_from).resolve() if args.resume_from and first_attempt else None
+    candidates = [chosen] if chosen else checkpoint_candidates(ckpt_dir, log) if rank == 0 else []
+    path = load_latest(candidates, train_state, settings, rank=rank, log=log,
+                       roll_back=bool(chosen) and chosen.parent == ckpt_dir.resolve())  # this run's: repoint `latest`
+    if path:
+        log.info("resumed from %s: step %d, epoch %d, %d steps into it", path, train_state.step,
+                 train_state.epoch, train_state.step_in_epoch)
+    return path
+
+
+def crash_once(run_dir, step: int, crash_at_step: int | None, this_rank: bool):
+    """Fault injection (--crash-at-step): `this_rank` raises after step `crash_at_step`,
+    once per run folder (a marker file remembers it), so a restarted run goes on."""
+    marker = Path(run_dir) / f"crash-injected-at-step-{step}"
+    if step == crash_at_step and this_rank and not marker.exists():
+        marker.touch()
+        raise RuntimeError(f"injected crash after step {step} (--crash-at-step)")
 
 
 def main():
@@ -238,9 +199,11 @@ def main():
     # ---- outputs (created only now: bad input above leaves nothing behind) ---------
     run_dir = claim_run_folder(Path(args.save_dir) / args.experiment_name, rank=rank, resumes=True)
 
-    settings = run_settings(args, global_batch, data.fingerprint, FORMAT_VERSION)  # this run's
-    start_step, start_epoch, start_in_epoch = resume(args, run_dir, raw_model, optimizer,
-                                                     scheduler, device, rank, settings, log)
+    # the training state as one object: what a checkpoint saves and a resume restores
+    train_state = TrainState(raw_model, optimizer, scheduler, device)
+    settings = run_settings(args, global_batch, data.fingerprint, FORMAT_VERSION)  # what defines this run
+    resume(args, run_dir, train_state, rank, settings, log)
+    start_step, start_epoch, start_in_epoch = train_state.step, train_state.epoch, train_state.step_in_epoch
     if start_step >= total_steps:
         log.info("this run already finished (step %d of %d); nothing to do", start_step, total_steps)
         del model  # as at the end of main(): free DDP before its process group
@@ -309,16 +272,15 @@ def main():
 
             stopped = stop.agreed()  # every rank asks after every step: all stop together
             if step == total_steps or stopped or (args.ckpt_freq and step % args.ckpt_freq == 0):
-                state = {"step": step, "epoch": epoch, "step_in_epoch": in_epoch + 1,  # where it was
-                         "scheduler": scheduler.state_dict(), "world_size": world_size,
-                         "sharded": args.sharded, "settings": settings,
-                         "rng": all_rng_states(device)}  # every rank's: they differ
-                path = tracker.saved(save_checkpoint(run_dir / "checkpoints", state, raw_model, optimizer,
-                                                     sharded=args.sharded, keep_last=args.keep_last, rank=rank))
+                # where the data stands: this epoch (its shuffle) and the steps done in it
+                train_state.step, train_state.epoch, train_state.step_in_epoch = step, epoch, in_epoch + 1
+                path = tracker.saved(save_checkpoint(run_dir / "checkpoints", train_state, settings,
+                                                     keep_last=args.keep_last, rank=rank))
             if stopped:
                 break
             crash_once(run_dir, step, args.crash_at_step, rank == world_size - 1)  # fault injection
     tracker.close()
+    stop.uninstall()  # the last step is committed: from here a signal acts as usual
     if stopped:  # the checkpoint holds everything: the same command continues from it
         del model  # as at the end of main(): free DDP before its process group
         stop.leave(step, path)
@@ -332,7 +294,7 @@ def main():
              f"{val_loss:.4f}" if val_loss is not None else "n/a", val_batches)
     log.info("sample:\n%s", sample(raw_model, data, device, autocast, args.seed, args.padded))
     if rank == 0:  # one writer; the bare module's weights load into a plain model
-        torch.save(raw_model.state_dict(), run_dir / "model.pt")
+        atomic_write(run_dir / "model.pt", lambda f: torch.save(raw_model.state_dict(), f))
     tracker.finish(args=args, world_size=world_size, dtype=dtype, num_params=n_params,
                    flops_per_token=flops_per_token(config, n_params, args.seq_length),
                    final_loss=loss_sum.item(), val_loss=val_loss, num_devices=world_size,

@@ -1,6 +1,7 @@
 """Files that survive crashes, and proof that they are intact (chapter 04's helpers).
 
 - `fsync_write`, `fsync_dir`: a rename is only as durable as what it renames.
+- `atomic_write`: a file replaced whole or not at all (the final weights, the summary).
 - `write_manifest`, `verify_manifest`: `manifest.json` holds a checkpoint's metadata and a
   SHA-256 of every file in it; a flipped byte anywhere fails the check.
 - `read_manifest`: the metadata alone, to check a checkpoint's settings before loading it.
@@ -27,6 +28,20 @@ def fsync_write(path, write):
         os.fsync(f.fileno())
 
 
+def atomic_write(path, write):
+    """Write a file so that a kill or a full disk at any moment leaves either the old file
+    or the new one, whole: write beside it, force to disk, rename over it, force the
+    folder to disk (chapter 04's `latest` pointer shows the same steps)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        fsync_write(tmp, write)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(path.parent)
+
+
 def fsync_dir(path):
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -45,18 +60,7 @@ def _sha256(path: Path) -> str:
 
 def write_manifest(folder: Path, meta: dict):
     """Checksum every file under `folder` and write them with `meta` into manifest.json
-    (written last: a folder without one was never finished). A DCP folder inside must be
-    complete: every part its metadata names is there (on node-local disks the other
-    machines' parts are not), else OSError."""
-    for dcp_meta in Path(folder).rglob(".metadata"):
-        from torch.distributed.checkpoint import FileSystemReader
-
-        parts = {s.relative_path for s in FileSystemReader(dcp_meta.parent).read_metadata().storage_data.values()}
-        missing = sorted(p for p in parts if not (dcp_meta.parent / p).is_file())
-        if missing:
-            raise OSError(f"the sharded checkpoint in {dcp_meta.parent} lacks {', '.join(missing)}: "
-                          f"other ranks wrote their parts where rank 0 cannot see them; sharded "
-                          f"checkpoints need a --save-dir on storage every machine shares")
+    (written last: a folder without one was never finished)."""
     files = {str(p.relative_to(folder)): _sha256(p)
              for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST}
     fsync_write(folder / MANIFEST, lambda f: f.write(json.dumps({**meta, "sha256": files}, indent=1).encode()))

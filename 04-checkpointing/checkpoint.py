@@ -1,0 +1,267 @@
+"""Chapter 04's lesson, part 1: what a checkpoint holds, and how it is saved and loaded.
+
+- `TrainState`: the model, the optimizer, the schedule, the data position and every
+  rank's random generators, as one object; `state_dict()` and `load_state_dict()` mirror
+  each other, as they do on every torch module and optimizer.
+- `ResumableSampler`: the DistributedSampler's order, started in the middle of an epoch.
+- `save_checkpoint`: write into a temporary folder, rename it, then repoint `latest`
+  (`point_latest_to`): a kill at any moment leaves the previous checkpoint intact.
+- `load_latest`: rank 0 reads the newest checkpoint that verifies and loads it, then
+  sends it to the other ranks tensor by tensor: no other machine needs the file.
+
+The housekeeping around them (checksums, pruning, settings, a full disk) is in
+`common.checkpoint_folder` and `common.durable`: one jump away, not the lesson.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Sampler
+
+from common.checkpoint_folder import commit_on_rank0, prune_checkpoints, settings_mismatch, unchanged_on_error
+from common.cli import fail
+from common.durable import fsync_dir, fsync_write, one_line, verify_manifest, write_manifest
+
+FORMAT_VERSION = 3  # of state.pt; part of the settings, so another format is refused by name
+
+
+# ---- the state ----------------------------------------------------------------------------
+
+class TrainState:
+    """Everything the next step depends on. Weights alone are not enough: AdamW's moments
+    and step count set the next update, the scheduler the learning rate, the epoch and
+    the steps done in it the next batch, and the generators any random draw."""
+
+    def __init__(self, model, optimizer, scheduler, device):
+        self.model, self.optimizer, self.scheduler, self.device = model, optimizer, scheduler, device
+        self.step = 0           # optimizer steps done
+        self.epoch = 0          # the epoch they ended in: it fixes the shuffle
+        self.step_in_epoch = 0  # steps of that epoch done: where its data continues
+        self.saved_rng = None   # after a load: every rank's generators, as saved
+
+    def state_dict(self) -> dict:
+        """What `state.pt` holds. A collective: every rank's generators are gathered."""
+        return {"step": self.step, "epoch": self.epoch, "step_in_epoch": self.step_in_epoch,
+                "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "rng": gather_rng_states(self.device)}
+
+    def load_state_dict(self, state: dict, rank: int = 0):
+        """The mirror of `state_dict()`: each rank takes its own generators (rank r the
+        r-th; a run resumed on more ranks than saved it reuses them in turn)."""
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step, self.epoch, self.step_in_epoch = state["step"], state["epoch"], state["step_in_epoch"]
+        self.saved_rng = state["rng"]  # every rank's: rank 0 sends them on
+        set_rng_states(self.saved_rng[rank % len(self.saved_rng)], self.device)
+
+    def broadcast_from_rank0(self, rank: int):
+        """Rank 0 has loaded a checkpoint: give every rank the same state. The small parts
+        (position, schedule, generators, the optimizer's layout) go as one object; every
+        tensor goes by itself, in place, as DDP sends the weights at construction. No rank
+        needs the file, and none holds more than one tensor in flight."""
+        small = [None]
+        if rank == 0:
+            small = [{"step": self.step, "epoch": self.epoch, "step_in_epoch": self.step_in_epoch,
+                      "scheduler": self.scheduler.state_dict(), "rng": self.saved_rng,
+                      "optimizer": _layout(self.optimizer.state_dict())}]
+        dist.broadcast_object_list(small, src=0)
+        small = small[0]
+        if rank != 0:
+            self.step, self.epoch, self.step_in_epoch = small["step"], small["epoch"], small["step_in_epoch"]
+            self.scheduler.load_state_dict(small["scheduler"])
+            # empty tensors of the right shapes, filled by the broadcasts below
+            self.optimizer.load_state_dict(_empty_like_layout(small["optimizer"]))
+            set_rng_states(small["rng"][rank % len(small["rng"])], self.device)
+        for tensor in self.tensors():
+            broadcast_in_place(tensor, self.device)
+
+    def tensors(self):
+        """Model and optimizer tensors in one order that every rank agrees on."""
+        yield from self.model.state_dict().values()
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                state = self.optimizer.state.get(p, {})
+                for key in sorted(state):
+                    if torch.is_tensor(state[key]):
+                        yield state[key]
+
+
+def _layout(tree):
+    """`tree` with every tensor replaced by its (shape, dtype): what an empty copy needs."""
+    if torch.is_tensor(tree):
+        return ("tensor", tuple(tree.shape), tree.dtype)
+    if isinstance(tree, dict):
+        return {k: _layout(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_layout(v) for v in tree]
+    return tree
+
+
+def _empty_like_layout(tree):
+    if isinstance(tree, tuple) and len(tree) == 3 and tree[0] == "tensor":
+        return torch.empty(tree[1], dtype=tree[2])
+    if isinstance(tree, dict):
+        return {k: _empty_like_layout(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_empty_like_layout(v) for v in tree]
+    return tree
+
+
+def broadcast_in_place(tensor: torch.Tensor, device: torch.device):
+    """dist.broadcast from rank 0 into `tensor`. nccl moves only CUDA tensors: a CPU tensor
+    (AdamW keeps its step counts there) travels through a copy on this rank's `device`."""
+    if tensor.device.type == "cpu" and dist.get_backend() == "nccl":
+        on_device = tensor.to(device)
+        dist.broadcast(on_device, src=0)
+        tensor.copy_(on_device)
+    else:
+        dist.broadcast(tensor, src=0)
+
+
+def gather_rng_states(device) -> list[dict]:
+    """Every rank's generators (Python, torch CPU, CUDA), gathered into a list indexed by
+    rank, the same on every rank (a collective). They differ per rank; nothing here draws
+    after initialisation, but a checkpoint must not rely on that staying true."""
+    states = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.device(device).type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    if not dist.is_initialized():
+        return [states]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, states)
+    return gathered
+
+
+def set_rng_states(states: dict, device):
+    random.setstate(states["python"])
+    torch.set_rng_state(states["torch"].cpu())
+    if torch.device(device).type == "cuda" and "cuda" in states:
+        torch.cuda.set_rng_state(states["cuda"].cpu(), device)
+
+
+class ResumableSampler(Sampler):
+    """Wraps a sampler (DistributedSampler): the same order, starting `start` samples in,
+    so a resumed run skips what it already trained on without loading it."""
+
+    def __init__(self, sampler):
+        self.sampler, self.start = sampler, 0
+
+    def set_epoch(self, epoch: int, start: int = 0):
+        self.sampler.set_epoch(epoch)  # the shuffle of this epoch: seed + epoch
+        self.start = start
+
+    def __iter__(self):
+        return itertools.islice(iter(self.sampler), self.start, None)
+
+    def __len__(self):
+        return len(self.sampler) - self.start
+
+
+# ---- saving: write aside, rename, repoint ----------------------------------------------------
+
+def save_checkpoint(ckpt_dir: Path, train_state: TrainState, settings: dict, *, keep_last: int,
+                    rank: int) -> tuple[Path, float]:
+    """Write the state into .tmp-step-N, rename that to step-N, then repoint `latest`: the
+    commit. A kill at any moment leaves the previous checkpoint and pointer untouched.
+    Every rank calls it (the generators are gathered). Returns (folder, seconds)."""
+    t0 = time.perf_counter()
+    state = train_state.state_dict()  # on every rank; DDP replicas are identical, so rank 0's is everyone's
+    name = f"step-{train_state.step:08d}"
+    tmp, final = ckpt_dir / f".tmp-{name}", ckpt_dir / name
+
+    def commit():  # on rank 0, while the others wait
+        shutil.rmtree(tmp, ignore_errors=True)  # debris of an earlier kill
+        tmp.mkdir(parents=True)
+        fsync_write(tmp / "state.pt", lambda f: torch.save(state, f))  # on disk, not in a cache
+        write_manifest(tmp, {"settings": settings})  # a checksum of every file, written last
+        shutil.rmtree(final, ignore_errors=True)  # the same step, saved before a crash
+        os.rename(tmp, final)  # atomic: the folder is there whole, or not at all
+        point_latest_to(final)  # the commit point
+        prune_checkpoints(ckpt_dir, final, keep_last)
+    commit_on_rank0(commit, rank, tmp)  # an error (a full disk) stops every rank, in one line
+    return final, time.perf_counter() - t0
+
+
+def roll_back_to(path: Path):
+    """--resume-from an older checkpoint of this run: it becomes `latest`, and the newer
+    ones move to `abandoned/`, out of the resume path (a later rerun continues from here)."""
+    prune_checkpoints(path.parent, path, keep_last=len(list(path.parent.glob("step-*"))))
+    point_latest_to(path)
+
+
+def point_latest_to(path: Path):
+    """Make `latest` (beside checkpoint `path`) name it: write the new pointer beside the
+    old, force it to disk, rename it over the old one (atomic), and force the folder to
+    disk so that both renames survive a power cut."""
+    ckpt_dir = Path(path).parent
+    fsync_write(ckpt_dir / "latest.tmp", lambda f: f.write(Path(path).name.encode()))
+    os.replace(ckpt_dir / "latest.tmp", ckpt_dir / "latest")
+    fsync_dir(ckpt_dir)
+
+
+# ---- loading: rank 0 reads, everyone receives -----------------------------------------------
+
+def checkpoint_candidates(ckpt_dir: Path, log) -> list[Path]:
+    """The checkpoints to try, newest first: the one `latest` names, then older ones.
+    Folders beyond `latest` (and .tmp-*) were never committed. Without a `latest` (deleted
+    by hand, or lost), every complete folder is a candidate, and the log says so."""
+    folders = sorted((p for p in Path(ckpt_dir).glob("step-*") if p.is_dir()), reverse=True)
+    latest = Path(ckpt_dir) / "latest"
+    if latest.is_file():
+        name = latest.read_text().strip()
+        return [p for p in folders if p.name <= name]
+    if folders:
+        log.warning("%s has checkpoints but no `latest` pointer: trying the newest that verifies",
+                    ckpt_dir)
+    return folders
+
+
+def load_latest(candidates: list[Path], train_state: TrainState, settings: dict, *, rank: int, log,
+                roll_back: bool = False) -> Path | None:
+    """Load the first of `candidates` (rank 0's list: its disk holds them) that verifies
+    and loads, on rank 0; then every rank receives it. Returns its path, or None if there
+    were none. Per candidate, rank 0 checks every file against the manifest and the saved
+    settings against `settings` (a mismatch stops the run: it is another run's checkpoint),
+    then loads it with `weights_only=True`: tensors and plain containers, never code. A
+    candidate that fails leaves model and optimizer as they were; the next one is tried.
+    `roll_back` (--resume-from): the chosen checkpoint becomes its folder's `latest`."""
+    path, error, mismatch = None, None, None
+    if rank == 0:
+        for candidate in candidates:
+            try:
+                mismatch = settings_mismatch(verify_manifest(candidate)["settings"], settings, candidate)
+                if mismatch:
+                    break
+                # mmap: tensors are read from the file as they are copied, not all at once
+                state = torch.load(candidate / "state.pt", map_location="cpu", weights_only=True, mmap=True)
+                with unchanged_on_error(train_state.model, train_state.optimizer):
+                    train_state.load_state_dict(state, rank)
+                path = candidate
+                break
+            except Exception as e:  # truncated, corrupted, another format, a crafted pickle
+                error = one_line(e)
+                log.warning("checkpoint %s cannot be used (%s); trying the one before", candidate, error)
+    # every rank learns what rank 0 found, and stops with it or receives the state
+    found = [str(path) if path else None, mismatch, error]
+    if dist.is_initialized():
+        dist.broadcast_object_list(found, src=0)
+    path, mismatch, error = Path(found[0]) if found[0] else None, found[1], found[2]
+    if mismatch:
+        fail(mismatch)
+    if candidates and path is None:
+        fail(f"no checkpoint in {Path(candidates[0]).parent} could be loaded (the last: {error}); "
+             f"nothing was changed: move the broken ones away, or start over with --fresh")
+    if path and dist.is_initialized():
+        train_state.broadcast_from_rank0(rank)
+    if path and roll_back:
+        commit_on_rank0(lambda: roll_back_to(path), rank)
+    return path

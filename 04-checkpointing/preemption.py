@@ -1,0 +1,81 @@
+"""Chapter 04's lesson, part 2: a stop signal becomes one step that every rank stops at.
+
+Ctrl-C sends SIGINT to every process of the terminal's job; a scheduler preempts with
+SIGTERM (SLURM's --signal, Kubernetes); torchrun passes both on to its workers. A
+process that dies at once loses everything since the last checkpoint, and a rank that
+stops alone leaves the others waiting in a collective. So:
+
+- `StopRequest`: the handlers only take note. After every step the ranks agree (an
+  all-reduce of "did anyone get a signal?"), so all of them stop after the same step,
+  save, and leave.
+- `data_workers_apart`: the DataLoader's worker processes leave the trainer's process
+  group. Ctrl-C and torchrun's stop signal a whole group; a worker left in it dies of
+  SIGTERM and takes its trainer down with it ("DataLoader worker is killed by signal"),
+  before the trainer can save.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from common.distributed import destroy_process_group
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def data_workers_apart(worker_id: int):
+    """DataLoader(worker_init_fn=...): the worker moves into a process group of its own,
+    so signals meant for the trainer's group (Ctrl-C in a terminal, torchrun stopping its
+    workers, kill -- -PGID) reach the trainer alone. The worker still ends with its
+    trainer: the DataLoader stops it (by its pid), and a worker whose trainer died exits."""
+    os.setpgid(0, 0)
+
+
+class StopRequest:
+    """While installed, SIGINT and SIGTERM set a flag instead of ending the process."""
+
+    def __init__(self):
+        self.signal = None
+        self.previous = {sig: signal.signal(sig, self._note) for sig in STOP_SIGNALS}
+        # The vote travels over a CPU (gloo) group: on GPUs it costs no device sync.
+        self.group = (dist.new_group(backend="gloo")
+                      if dist.is_initialized() and dist.get_backend() != "gloo" else None)
+
+    def _note(self, signum, frame):
+        self.signal = self.signal or signal.Signals(signum).name
+
+    def agreed(self) -> str | None:
+        """The signal's name once any rank got one, on every rank after the same step (a
+        collective: every rank asks after every step), else None."""
+        if not dist.is_initialized():
+            return self.signal
+        flag = torch.tensor([self.signal is not None], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return (self.signal or "a signal to another rank") if flag.item() else None
+
+    def uninstall(self):
+        """After the loop: the signals act as before (the last checkpoint is committed;
+        a rerun finishes what is left)."""
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def leave(self, step: int, checkpoint: Path):
+        """After the checkpoint: one line (rank 0), leave the group, exit 128 + signal."""
+        if int(os.environ.get("RANK") or 0) == 0:
+            restarts_left = (int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0)
+                             - int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0))
+            then = ("torchrun restarts the workers from it unless torchrun itself was stopped "
+                    "(--max-restarts); to resume later, run the same command" if restarts_left > 0
+                    else "run the same command to resume")
+            print(f"\ninterrupted at step {step} ({self.signal or 'a signal to another rank'}); "
+                  f"checkpoint {Path(checkpoint).name} saved; {then} "
+                  f"(with --experiment-name {Path(checkpoint).parent.parent.name})",
+                  file=sys.stderr, flush=True)
+        destroy_process_group()
+        sys.exit(128 + getattr(signal.Signals, self.signal or "SIGTERM"))
