@@ -174,7 +174,7 @@ def save_checkpoint(ckpt_dir: Path, train_state: TrainState, settings: dict, *, 
     commit. A kill at any moment leaves the previous checkpoint and pointer untouched.
     Every rank calls it (the generators are gathered). Returns (folder, seconds)."""
     t0 = time.perf_counter()
-    state = train_state.state_dict()  # on every rank; DDP replicas are identical, so rank 0's is everyone's
+    state = train_state.state_dict()  # DDP replicas are identical: rank 0's is everyone's
     name = f"step-{train_state.step:08d}"
     tmp, final = ckpt_dir / f".tmp-{name}", ckpt_dir / name
 

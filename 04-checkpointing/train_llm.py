@@ -138,8 +138,9 @@ def resume(args, run_dir, train_state, rank, settings, log):
         return None
     chosen = Path(args.resume_from).resolve() if args.resume_from and first_attempt else None
     candidates = [chosen] if chosen else checkpoint_candidates(ckpt_dir, log) if rank == 0 else []
+    # --resume-from a checkpoint of this run: it becomes `latest` (the newer ones are abandoned)
     path = load_latest(candidates, train_state, settings, rank=rank, log=log,
-                       roll_back=bool(chosen) and chosen.parent == ckpt_dir.resolve())  # this run's: repoint `latest`
+                       roll_back=bool(chosen) and chosen.parent == ckpt_dir.resolve())
     if path:
         log.info("resumed from %s: step %d, epoch %d, %d steps into it", path, train_state.step,
                  train_state.epoch, train_state.step_in_epoch)

@@ -79,3 +79,22 @@ def load_script(rel_path: str):
     sys.modules[name] = module  # dataclasses and pickling look modules up by name
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory):
+    """Chapter 04's reference run, which every resumed run must match: (process, run folder)."""
+    from ch04_runs import NAME, train
+
+    save_dir = tmp_path_factory.mktemp("ch04-ref")
+    return train(save_dir), save_dir / NAME
+
+
+@pytest.fixture(scope="session")
+def crashed(tmp_path_factory):
+    """Chapter 04 with --crash-at-step and no torchrun restarts: the job fails after step
+    10, with the checkpoints of steps 4 and 8 left. (process, run folder)"""
+    from ch04_runs import CRASH, NAME, train
+
+    save_dir = tmp_path_factory.mktemp("ch04-crashed")
+    return train(save_dir, "--crash-at-step", CRASH, check=False), save_dir / NAME

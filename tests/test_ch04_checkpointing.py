@@ -1,6 +1,5 @@
 """Chapter 04: a run that crashes, is killed, or is restarted continues with exactly the
-losses and weights of an uninterrupted run (bit for bit on CPU), in both checkpoint
-formats; a corrupt checkpoint falls back to the one before; old checkpoints are pruned;
+losses and weights of an uninterrupted run (bit for bit on CPU); a corrupt checkpoint falls back to the one before; old checkpoints are pruned;
 loading never unpickles code; a resume with other settings is refused; --fresh archives;
 a finished run is left alone."""
 
@@ -8,84 +7,18 @@ from __future__ import annotations
 
 import os
 import pickle
-import shutil
-import signal
 import subprocess
 import time
 
 import pytest
 import torch
 
+from ch04_runs import (CRASH, FREQ, NAME, SCRIPT, STEPS, assert_same_as_uninterrupted, copy_run, flags,
+                       kill_job, snapshot, step_dir, train)
+from common.checkpoint_folder import run_settings
 from common.data import build_datasets
 from common.durable import write_manifest
-from common.resume import run_settings
-from conftest import REPO, TINY, load_script, python_cmd, read_json, read_jsonl, run, torchrun_cmd
-
-SCRIPT = "04-checkpointing/train_llm.py"
-NAME = "run"
-STEPS, FREQ, KEEP = 20, 4, 2
-CRASH = 10  # after the checkpoints of steps 4 and 8
-
-
-def flags(save_dir, *extra):
-    return [*TINY, "--max-steps", STEPS, "--ckpt-freq", FREQ, "--keep-last", KEEP,
-            "--save-dir", save_dir, "--experiment-name", NAME, *extra]
-
-
-def train(save_dir, *extra, restarts=0, check=True):
-    """The chapter's command: torchrun, 2 processes on the CPU (gloo). A run takes
-    seconds; the short timeout turns a hang into a failure soon."""
-    cmd = torchrun_cmd(2, SCRIPT, *flags(save_dir, *extra), extra=[f"--max-restarts={restarts}"])
-    return run(cmd, check=check, timeout=120)
-
-
-def kill_job(launcher_pid: int):
-    """SIGKILL a torchrun job, launcher and workers at once, as a lost machine would.
-    torchrun starts each worker in a session of its own, so the launcher's process group
-    alone would leave the workers running."""
-    workers = subprocess.run(["pgrep", "-P", str(launcher_pid)], capture_output=True,
-                             text=True).stdout.split()
-    for pgid in [launcher_pid, *map(int, workers)]:
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def step_dir(step: int) -> str:
-    return f"step-{step:08d}"
-
-
-def copy_run(src_run_dir, save_dir):
-    """A private copy of a finished run (same experiment name, another --save-dir)."""
-    shutil.copytree(src_run_dir, save_dir / NAME)
-    return save_dir / NAME
-
-
-def snapshot(folder) -> dict:
-    """Every file's size and modification time, but the lock file (.owner names whoever
-    holds the folder now, so each run rewrites it)."""
-    return {p.relative_to(folder).as_posix(): (p.stat().st_size, p.stat().st_mtime_ns)
-            for p in sorted(folder.rglob("*")) if p.name != ".owner"}
-
-
-def assert_same_as_uninterrupted(run_dir, reference):
-    """Steps 1..STEPS each logged once, with exactly the uninterrupted run's losses, and
-    exactly its final weights."""
-    got, ref = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(reference / "metrics.jsonl")
-    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
-    assert [r["loss"] for r in got] == [r["loss"] for r in ref]
-    a = torch.load(run_dir / "model.pt", weights_only=True)
-    b = torch.load(reference / "model.pt", weights_only=True)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b)
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """The reference every resumed run must match."""
-    save_dir = tmp_path_factory.mktemp("ch04-ref")
-    proc = train(save_dir)
-    return proc, save_dir / NAME
+from conftest import REPO, load_script, python_cmd, read_json, read_jsonl, run, torchrun_cmd
 
 
 def test_uninterrupted_run_keeps_the_last_k_checkpoints(uninterrupted):
@@ -109,10 +42,8 @@ def test_summary_reports_the_checkpoint_cost(uninterrupted):
     assert "| checkpoint size" in proc.stdout and "| checkpoint save" in proc.stdout
 
 
-@pytest.mark.parametrize("sharded", [False, True], ids=["state-dict", "sharded-dcp"])
-def test_torchrun_restart_after_a_crash_continues_exactly(tmp_path, uninterrupted, sharded):
-    extra = ["--sharded"] if sharded else []
-    proc = train(tmp_path, *extra, "--crash-at-step", CRASH, restarts=3)
+def test_torchrun_restart_after_a_crash_continues_exactly(tmp_path, uninterrupted):
+    proc = train(tmp_path, "--crash-at-step", CRASH, restarts=3)
     run_dir = tmp_path / NAME
     assert f"injected crash after step {CRASH}" in proc.stdout + proc.stderr
     assert (run_dir / f"crash-injected-at-step-{CRASH}").exists()
@@ -120,7 +51,6 @@ def test_torchrun_restart_after_a_crash_continues_exactly(tmp_path, uninterrupte
     summary = read_json(run_dir / "summary.json")
     assert f"resumed from {run_dir / 'checkpoints' / step_dir(8)}: step 8" in proc.stdout
     assert summary["resumed_at_step"] == 8 and summary["restart_count"] == 1
-    assert (run_dir / "checkpoints" / step_dir(20) / "sharded").is_dir() is sharded
 
 
 def test_rerun_after_sigkill_of_the_whole_job_continues_exactly(tmp_path, uninterrupted):
@@ -148,14 +78,6 @@ def test_rerun_after_sigkill_of_the_whole_job_continues_exactly(tmp_path, uninte
     proc = run(cmd, timeout=120)
     assert "resumed from" in proc.stdout
     assert_same_as_uninterrupted(tmp_path / NAME, uninterrupted[1])
-
-
-@pytest.fixture(scope="module")
-def crashed(tmp_path_factory):
-    """--crash-at-step without torchrun restarts: the job fails, checkpoints 4 and 8 remain."""
-    save_dir = tmp_path_factory.mktemp("ch04-crashed")
-    proc = train(save_dir, "--crash-at-step", CRASH, check=False)
-    return proc, save_dir / NAME
 
 
 def test_crash_without_restarts_fails_and_keeps_its_checkpoints(crashed):
@@ -252,17 +174,18 @@ def test_loading_never_unpickles_code(tmp_path):
     evil = tmp_path / "evil"
     evil.mkdir()
     torch.save({"step": 1, "payload": RunsCode(marker)}, evil / "state.pt")
-    args = load_script(SCRIPT).parse_args([*map(str, flags(tmp_path / "out"))])
+    ch04 = load_script(SCRIPT)
+    args = ch04.parse_args([*map(str, flags(tmp_path / "out"))])
     data = build_datasets("stdlib", 64)  # the cached corpus: the settings match
-    write_manifest(evil, {"settings": run_settings(args, 4, data.fingerprint, 2)})
+    write_manifest(evil, {"settings": run_settings(args, 4, data.fingerprint, ch04.FORMAT_VERSION)})
 
     proc = run(python_cmd(SCRIPT, *flags(tmp_path / "out", "--resume-from", evil)), check=False)
     assert proc.returncode == 2
     assert f"checkpoint {evil} cannot be used (UnpicklingError" in proc.stdout
     assert proc.stderr.strip().splitlines()[-1].startswith(f"error: no checkpoint in {tmp_path}")
     assert not marker.exists()
-    with pytest.raises(pickle.UnpicklingError):
-        load_script(SCRIPT).read_checkpoint(evil)
+    with pytest.raises(pickle.UnpicklingError):  # what the chapter's load does
+        torch.load(evil / "state.pt", map_location="cpu", weights_only=True, mmap=True)
     assert not marker.exists()
     torch.load(evil / "state.pt", weights_only=False)  # the payload is live: unsafe loading runs it
     assert marker.exists()

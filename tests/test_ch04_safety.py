@@ -15,8 +15,8 @@ import time
 import pytest
 
 from conftest import REPO, read_json, read_jsonl, run, torchrun_cmd
-from test_ch04_checkpointing import (NAME, SCRIPT, assert_same_as_uninterrupted, copy_run,
-                                     flags, kill_job, snapshot, step_dir, train)
+from ch04_runs import (NAME, SCRIPT, assert_same_as_uninterrupted, copy_run, flags, kill_job, snapshot,
+                       step_dir, train)
 
 def start_job(cmd, log, until, timeout=240):
     """A torchrun job in a session of its own, output to `log`; returns once `until()`
@@ -29,23 +29,8 @@ def start_job(cmd, log, until, timeout=240):
     return job
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    save_dir = tmp_path_factory.mktemp("safety-ref")
-    train(save_dir)
-    return save_dir / NAME
-
-
-@pytest.fixture(scope="module")
-def crashed(tmp_path_factory):
-    """Checkpoints of steps 4 and 8, then a crash after step 10 (no restarts)."""
-    save_dir = tmp_path_factory.mktemp("safety-crashed")
-    train(save_dir, "--crash-at-step", 10, check=False)
-    return save_dir / NAME
-
-
 def test_another_preset_is_refused_before_anything_changes(tmp_path, crashed):
-    run_dir = copy_run(crashed, tmp_path)
+    run_dir = copy_run(crashed[1], tmp_path)
     before = snapshot(run_dir)
     proc = train(tmp_path, "--model-preset", "small", check=False)
     assert proc.returncode != 0
@@ -56,7 +41,7 @@ def test_another_preset_is_refused_before_anything_changes(tmp_path, crashed):
 def test_another_corpus_or_tokenizer_is_refused(tmp_path, crashed):
     """The manifest records the data fingerprint; a machine whose corpus or tokenizer
     differs must not resume silently."""
-    run_dir = copy_run(crashed, tmp_path)
+    run_dir = copy_run(crashed[1], tmp_path)
     for manifest in run_dir.glob("checkpoints/step-*/manifest.json"):
         meta = json.loads(manifest.read_text())
         meta["settings"]["data fingerprint"] = "0123456789abcdef"
@@ -66,8 +51,8 @@ def test_another_corpus_or_tokenizer_is_refused(tmp_path, crashed):
     assert "(data fingerprint 0123456789abcdef ->" in proc.stderr
 
 
-def test_a_flipped_byte_is_caught_and_the_previous_checkpoint_used(tmp_path, crashed, reference):
-    run_dir = copy_run(crashed, tmp_path)
+def test_a_flipped_byte_is_caught_and_the_previous_checkpoint_used(tmp_path, crashed, uninterrupted):
+    run_dir = copy_run(crashed[1], tmp_path)
     state = run_dir / "checkpoints" / step_dir(8) / "state.pt"
     data = bytearray(state.read_bytes())
     for i in range(len(data) // 2, len(data) // 2 + 64):  # inside the tensor data, same size
@@ -76,11 +61,11 @@ def test_a_flipped_byte_is_caught_and_the_previous_checkpoint_used(tmp_path, cra
     proc = train(tmp_path, "--crash-at-step", 10)
     assert "state.pt does not match its checksum" in proc.stdout
     assert f"resumed from {run_dir / 'checkpoints' / step_dir(4)}: step 4" in proc.stdout
-    assert_same_as_uninterrupted(run_dir, reference)
+    assert_same_as_uninterrupted(run_dir, uninterrupted[1])
 
 
 def test_when_no_checkpoint_loads_the_run_stops_and_changes_nothing(tmp_path, crashed):
-    run_dir = copy_run(crashed, tmp_path)
+    run_dir = copy_run(crashed[1], tmp_path)
     for state in run_dir.glob("checkpoints/step-*/state.pt"):
         state.write_bytes(b"not a checkpoint")
     before = snapshot(run_dir)
@@ -90,24 +75,12 @@ def test_when_no_checkpoint_loads_the_run_stops_and_changes_nothing(tmp_path, cr
     assert snapshot(run_dir) == before
 
 
-def test_a_torn_last_metrics_line_does_not_block_the_resume(tmp_path, crashed, reference):
-    run_dir = copy_run(crashed, tmp_path)
+def test_a_torn_last_metrics_line_does_not_block_the_resume(tmp_path, crashed, uninterrupted):
+    run_dir = copy_run(crashed[1], tmp_path)
     with open(run_dir / "metrics.jsonl", "a") as f:
         f.write('{"step": 11, "loss": 7.1')  # a kill or a full disk in mid-write
     train(tmp_path, "--crash-at-step", 10)
-    assert_same_as_uninterrupted(run_dir, reference)
-
-
-def test_a_broken_sharded_checkpoint_falls_back(tmp_path, reference):
-    """DCP's CheckpointException is a BaseException: it must still mean "try the one before"."""
-    train(tmp_path, "--sharded", "--crash-at-step", 10, check=False)
-    run_dir = tmp_path / NAME
-    (run_dir / "checkpoints" / step_dir(8) / "sharded" / ".metadata").unlink()
-    proc = train(tmp_path, "--sharded", "--crash-at-step", 10)
-    assert f"checkpoint {run_dir / 'checkpoints' / step_dir(8)} cannot be used" in proc.stdout
-    assert proc.stdout.count("Traceback") == 0 and proc.stderr.count("Traceback") == 0
-    assert f"resumed from {run_dir / 'checkpoints' / step_dir(4)}: step 4" in proc.stdout
-    assert_same_as_uninterrupted(run_dir, reference)
+    assert_same_as_uninterrupted(run_dir, uninterrupted[1])
 
 
 def test_a_second_job_on_the_same_folder_is_refused(tmp_path):
@@ -128,39 +101,87 @@ def test_a_second_job_on_the_same_folder_is_refused(tmp_path):
     assert read_json(tmp_path / NAME / "summary.json")["chapter"] == "04-checkpointing"
 
 
-def test_fresh_under_restarts_archives_once(tmp_path, crashed, reference):
-    run_dir = copy_run(crashed, tmp_path)
+def test_fresh_under_restarts_archives_once(tmp_path, crashed, uninterrupted):
+    run_dir = copy_run(crashed[1], tmp_path)
     train(tmp_path, "--fresh", "--crash-at-step", 6, restarts=2)
     archives = list(run_dir.glob("archive-*"))
     assert len(archives) == 1, archives  # not one more at the restart after the crash
-    assert_same_as_uninterrupted(run_dir, reference)
+    assert_same_as_uninterrupted(run_dir, uninterrupted[1])
 
 
-def test_a_rollback_stays_rolled_back(tmp_path, reference):
+def test_a_rollback_stays_rolled_back(tmp_path, uninterrupted):
     """--resume-from an older checkpoint makes it `latest` and moves the newer ones out of
     the resume path: interrupted and rerun plainly, the run continues the new timeline."""
     train(tmp_path, "--keep-last", 5)
     run_dir, ckpt = tmp_path / NAME, tmp_path / NAME / "checkpoints"
-    proc = train(tmp_path, "--keep-last", 5, "--resume-from", ckpt / step_dir(8),
-                 "--crash-at-step", 10, check=False)
+    (tmp_path / "elsewhere").mkdir()
+    link = tmp_path / "elsewhere" / "good-one"  # --resume-from through a symbolic link
+    link.symlink_to(ckpt / step_dir(8))
+    proc = train(tmp_path, "--keep-last", 5, "--resume-from", link, "--crash-at-step", 10, check=False)
     assert proc.returncode != 0 and f"resumed from {ckpt / step_dir(8)}: step 8" in proc.stdout
     assert (ckpt / "latest").read_text() == step_dir(8)
+    assert sorted(p.name for p in (tmp_path / "elsewhere").iterdir()) == ["good-one"]  # no stray pointer
     assert sorted(p.name for p in (ckpt / "abandoned").iterdir()) == \
         [step_dir(12), step_dir(16), step_dir(20)]
     proc = train(tmp_path, "--keep-last", 5, "--crash-at-step", 10)  # the plain command
     assert f"resumed from {ckpt / step_dir(8)}: step 8" in proc.stdout
-    assert_same_as_uninterrupted(run_dir, reference)
+    assert_same_as_uninterrupted(run_dir, uninterrupted[1])
+
+
+def test_resume_from_acts_once_per_job_under_restarts(tmp_path, crashed, uninterrupted):
+    """--resume-from step 4, then a crash after step 9 under --max-restarts: the restart
+    resumes from step 8, which this job saved, not from step 4 again."""
+    run_dir = copy_run(crashed[1], tmp_path)
+    ckpt = run_dir / "checkpoints"
+    proc = train(tmp_path, "--resume-from", ckpt / step_dir(4), "--crash-at-step", 9, restarts=1)
+    assert proc.stdout.count("resumed from") == 2
+    assert f"resumed from {ckpt / step_dir(8)}: step 8" in proc.stdout.split("injected crash")[-1]
+    assert_same_as_uninterrupted(run_dir, uninterrupted[1])
+
+
+def test_without_a_latest_pointer_the_rerun_resumes_from_the_newest_checkpoint(tmp_path, crashed, uninterrupted):
+    run_dir = copy_run(crashed[1], tmp_path)
+    (run_dir / "checkpoints" / "latest").unlink()
+    proc = train(tmp_path, "--crash-at-step", 10)
+    assert "has checkpoints but no `latest` pointer" in proc.stdout
+    assert f"resumed from {run_dir / 'checkpoints' / step_dir(8)}: step 8" in proc.stdout
+    assert not (run_dir / "checkpoints" / "abandoned").exists()
+    assert_same_as_uninterrupted(run_dir, uninterrupted[1])
+
+
+def test_sigterm_to_the_workers_under_restarts_says_what_happens_next(tmp_path, uninterrupted):
+    """A signal to the workers alone (their process groups), under --max-restarts: they
+    save and stop, torchrun restarts them, they resume; the line said so."""
+    cmd = [str(c) for c in torchrun_cmd(2, SCRIPT, *flags(tmp_path, "--ckpt-freq", 100),
+                                        extra=["--max-restarts=1"])]
+    metrics = tmp_path / NAME / "metrics.jsonl"
+    with open(tmp_path / "job.log", "w") as log:
+        job = start_job(cmd, log, until=lambda: metrics.exists() and metrics.read_text().count("\n") >= 5)
+        for worker in subprocess.run(["pgrep", "-P", str(job.pid)], capture_output=True,
+                                     text=True).stdout.split():
+            os.killpg(int(worker), signal.SIGTERM)  # each worker and its DataLoader process
+        try:
+            job.wait(timeout=120)
+        finally:
+            kill_job(job.pid)
+    out = (tmp_path / "job.log").read_text()
+    assert job.returncode == 0, out[-3000:]
+    [line] = [line for line in out.splitlines() if line.startswith("interrupted at step")]
+    assert "torchrun restarts the workers from it" in line
+    assert_same_as_uninterrupted(tmp_path / NAME, uninterrupted[1])
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_a_signal_saves_a_checkpoint_and_the_rerun_continues_exactly(tmp_path, reference, sig):
-    """What a scheduler (SIGTERM) or Ctrl-C (SIGINT) does: the current step ends, a
-    checkpoint is written, one line says so, the job exits non-zero within seconds."""
+def test_a_signal_saves_a_checkpoint_and_the_rerun_continues_exactly(tmp_path, uninterrupted, sig):
+    """What a scheduler (SIGTERM) or Ctrl-C (SIGINT) does, with the default DataLoader
+    worker: torchrun passes the signal on to each worker's process group; the current
+    step ends, a checkpoint is written, one line says so, the job exits non-zero within
+    seconds."""
     cmd = [str(c) for c in torchrun_cmd(2, SCRIPT, *flags(tmp_path, "--ckpt-freq", 100))]
     metrics = tmp_path / NAME / "metrics.jsonl"
     with open(tmp_path / "job.log", "w") as log:
         job = start_job(cmd, log, until=lambda: metrics.exists() and metrics.read_text().count("\n") >= 5)
-        os.killpg(job.pid, sig)  # the whole job, as a terminal's Ctrl-C does
+        os.killpg(job.pid, sig)  # torchrun's process group, as a terminal's Ctrl-C does
         t0 = time.monotonic()
         try:
             job.wait(timeout=60)
@@ -181,7 +202,7 @@ def test_a_signal_saves_a_checkpoint_and_the_rerun_continues_exactly(tmp_path, r
     assert (tmp_path / NAME / "checkpoints" / "latest").read_text() == step_dir(step)
     proc = run(cmd, timeout=120)
     assert f"step {step}" in proc.stdout
-    assert_same_as_uninterrupted(tmp_path / NAME, reference)
+    assert_same_as_uninterrupted(tmp_path / NAME, uninterrupted[1])
 
 
 def test_workers_stop_when_their_launcher_is_killed(tmp_path):

@@ -80,6 +80,19 @@ def test_diff_blocks_are_real(chapter):
                        f"against {PREVIOUS[chapter]}:\n{block}")
 
 
+def test_code_quoted_in_chapter_04_is_its_code():
+    """Chapter 04's README walks through its modules by quoting them: every python block
+    (inside a list item too) is a run of lines of checkpoint.py or preemption.py."""
+    text = (REPO / "04-checkpointing" / "README.md").read_text()
+    sources = [p.read_text().splitlines() for p in (REPO / "04-checkpointing").glob("*.py")]
+    blocks = re.findall(r"^( *)```python\n(.*?)^\1```", text, flags=re.S | re.M)
+    assert len(blocks) >= 4
+    for indent, block in blocks:
+        lines = [line.removeprefix(indent) for line in block.rstrip("\n").splitlines()]
+        assert any(src[i:i + len(lines)] == lines for src in sources for i in range(len(src))), \
+            f"04-checkpointing/README.md quotes code that is not in the chapter:\n{block}"
+
+
 def readme_commands(chapter: str) -> list[tuple[str, bool]]:
     """(command, runnable) for every command line in the README's bash blocks. In the
     top-level README (chapter "."), only the part after "## Using it for real": its

@@ -1,0 +1,75 @@
+"""Chapter 04's test runs: its command as a user types it, and what the tests compare."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+
+import torch
+
+from conftest import TINY, read_jsonl, run, torchrun_cmd
+
+SCRIPT = "04-checkpointing/train_llm.py"
+NAME = "run"
+STEPS, FREQ, KEEP = 20, 4, 2
+CRASH = 10  # after the checkpoints of steps 4 and 8
+
+
+# The tiny settings of every chapter test, with the DataLoader's default worker process:
+# a stop signal must find the run as a user runs it.
+FLAGS = TINY[:TINY.index("--num-workers")] + TINY[TINY.index("--num-workers") + 2:]
+
+
+def flags(save_dir, *extra):
+    return [*FLAGS, "--max-steps", STEPS, "--ckpt-freq", FREQ, "--keep-last", KEEP,
+            "--save-dir", save_dir, "--experiment-name", NAME, *extra]
+
+
+def train(save_dir, *extra, restarts=0, check=True):
+    """The chapter's command: torchrun, 2 processes on the CPU (gloo). A run takes
+    seconds; the short timeout turns a hang into a failure soon."""
+    cmd = torchrun_cmd(2, SCRIPT, *flags(save_dir, *extra), extra=[f"--max-restarts={restarts}"])
+    return run(cmd, check=check, timeout=120)
+
+
+def kill_job(launcher_pid: int):
+    """SIGKILL a torchrun job, launcher and workers at once, as a lost machine would.
+    torchrun starts each worker in a session of its own, so the launcher's process group
+    alone would leave the workers running."""
+    workers = subprocess.run(["pgrep", "-P", str(launcher_pid)], capture_output=True,
+                             text=True).stdout.split()
+    for pgid in [launcher_pid, *map(int, workers)]:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def step_dir(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def copy_run(src_run_dir, save_dir):
+    """A private copy of a finished run (same experiment name, another --save-dir)."""
+    shutil.copytree(src_run_dir, save_dir / NAME)
+    return save_dir / NAME
+
+
+def snapshot(folder) -> dict:
+    """Every file's size and modification time, but the lock file (.owner names whoever
+    holds the folder now, so each run rewrites it)."""
+    return {p.relative_to(folder).as_posix(): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(folder.rglob("*")) if p.name != ".owner"}
+
+
+def assert_same_as_uninterrupted(run_dir, reference):
+    """Steps 1..STEPS each logged once, with exactly the uninterrupted run's losses, and
+    exactly its final weights."""
+    got, ref = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(reference / "metrics.jsonl")
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in got] == [r["loss"] for r in ref]
+    a = torch.load(run_dir / "model.pt", weights_only=True)
+    b = torch.load(reference / "model.pt", weights_only=True)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b)

@@ -1,0 +1,221 @@
+"""Chapter 04's checkpoint module (04-checkpointing/checkpoint.py) on real process groups
+(2 gloo ranks, spawned here): the training state saves and loads symmetrically; rank 0
+alone reads the file and the other ranks receive every tensor in place, never a pickle of
+the state; a candidate that fails leaves model and optimizer exactly as they were; a
+missing `latest` pointer falls back to the newest checkpoint that verifies; another run's
+settings are refused by name; a resumed epoch starts mid-way."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from common.checkpoint_folder import RUN_DEFINING_FLAGS, run_settings
+from conftest import free_port, load_script
+
+ch04 = load_script("04-checkpointing/train_llm.py")  # puts its folder on sys.path
+import checkpoint  # noqa: E402  the chapter's lesson module, beside the script
+
+SETTINGS = {"lr": 1.0}
+
+
+class Log:
+    def __init__(self):
+        self.lines = []
+
+    def warning(self, fmt, *args):
+        self.lines.append(fmt % args)
+
+    info = warning
+
+
+def train_state(seed: int, steps: int = 0, width: int = 16) -> checkpoint.TrainState:
+    """A small model, AdamW and a schedule after `steps` updates: a state worth saving."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.ReLU(), torch.nn.Linear(width, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 / (1 + s))
+    for _ in range(steps):
+        model(torch.randn(5, 8)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+    state = checkpoint.TrainState(model, optimizer, scheduler, torch.device("cpu"))
+    state.step, state.epoch, state.step_in_epoch = steps, 1, steps
+    return state
+
+
+def save(state, ckpt_dir, rank=0, settings=SETTINGS):
+    return checkpoint.save_checkpoint(ckpt_dir, state, settings, keep_last=5, rank=rank)[0]
+
+
+def same_tensors(a: checkpoint.TrainState, b: checkpoint.TrainState) -> bool:
+    ta, tb = list(a.tensors()), list(b.tensors())
+    return len(ta) == len(tb) > 0 and all(torch.equal(x, y) for x, y in zip(ta, tb))
+
+
+def test_state_dict_and_load_state_dict_mirror_each_other():
+    saved = train_state(0, steps=3)
+    random.seed(7)
+    torch.manual_seed(7)
+    snapshot = saved.state_dict()
+    expected = (random.random(), torch.rand(3))  # the draws after the save
+    fresh = train_state(1)
+    fresh.load_state_dict(snapshot)
+    assert (fresh.step, fresh.epoch, fresh.step_in_epoch) == (3, 1, 3)
+    assert same_tensors(fresh, saved)
+    assert fresh.scheduler.state_dict() == saved.scheduler.state_dict()
+    assert random.random() == expected[0] and torch.equal(torch.rand(3), expected[1])
+
+
+def test_a_saved_checkpoint_loads_back_exactly(tmp_path):
+    saved = train_state(0, steps=3)
+    path = save(saved, tmp_path)
+    assert (tmp_path / "latest").read_text() == path.name == "step-00000003"
+    assert sorted(p.name for p in path.iterdir()) == ["manifest.json", "state.pt"]
+    fresh, log = train_state(1), Log()
+    assert checkpoint.load_latest(checkpoint.checkpoint_candidates(tmp_path, log), fresh, SETTINGS,
+                                  rank=0, log=log) == path
+    assert same_tensors(fresh, saved) and fresh.step == 3 and not log.lines
+
+
+def test_another_runs_settings_are_refused_by_name_before_loading(tmp_path, capsys):
+    path = save(train_state(0, steps=1), tmp_path)
+    fresh = train_state(1)
+    before = [t.clone() for t in fresh.tensors()]
+    with pytest.raises(SystemExit) as stop:
+        checkpoint.load_latest([path], fresh, {"lr": 2.0}, rank=0, log=Log())
+    assert stop.value.code == 2
+    assert f"checkpoint {path} belongs to a run with other settings (--lr 1.0 -> 2.0)" in capsys.readouterr().err
+    assert all(torch.equal(a, b) for a, b in zip(fresh.tensors(), before))
+
+
+def test_without_a_latest_pointer_the_newest_checkpoint_that_verifies_is_used(tmp_path):
+    state = train_state(0, steps=1)
+    save(state, tmp_path)
+    state.step = 2
+    newest = save(state, tmp_path)
+    (newest / "state.pt").write_bytes(b"torn")  # and its manifest now disagrees
+    (tmp_path / "latest").unlink()
+    log = Log()
+    candidates = checkpoint.checkpoint_candidates(tmp_path, log)
+    assert [p.name for p in candidates] == ["step-00000002", "step-00000001"]
+    assert "no `latest` pointer" in log.lines[0]
+    fresh = train_state(1)
+    assert checkpoint.load_latest(candidates, fresh, SETTINGS, rank=0, log=log).name == "step-00000001"
+    assert "state.pt does not match its checksum" in log.lines[1]
+
+
+def test_uncommitted_folders_beyond_latest_are_not_candidates(tmp_path):
+    state = train_state(0, steps=1)
+    first = save(state, tmp_path)
+    state.step = 2
+    save(state, tmp_path)
+    checkpoint.point_latest_to(first)  # as if the kill came before the pointer moved
+    assert checkpoint.checkpoint_candidates(tmp_path, Log()) == [first]
+
+
+def test_an_atomic_write_that_fails_leaves_the_old_file_whole(tmp_path):
+    """model.pt and the other final files: a failed write (a full disk) keeps the old
+    file, and leaves no temporary file behind."""
+    from common.durable import atomic_write
+
+    target = tmp_path / "model.pt"
+    atomic_write(target, lambda f: f.write(b"old"))
+
+    def fails(f):
+        f.write(b"half")
+        raise OSError(28, "No space left on device")
+    with pytest.raises(OSError):
+        atomic_write(target, fails)
+    assert target.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["model.pt"]
+
+
+def test_the_resumable_sampler_starts_mid_epoch_in_the_same_order():
+    sampler = torch.utils.data.DistributedSampler(range(40), num_replicas=2, rank=1, shuffle=True, seed=3)
+    resumable = checkpoint.ResumableSampler(sampler)
+    resumable.set_epoch(2)
+    whole = list(resumable)
+    resumable.set_epoch(2, start=6)
+    assert list(resumable) == whole[6:] and len(resumable) == len(whole) - 6
+
+
+def test_run_settings_name_the_flags_the_data_and_the_format():
+    args = argparse.Namespace(**{k: k for k in RUN_DEFINING_FLAGS})
+    s = run_settings(args, 16, "abc", checkpoint.FORMAT_VERSION)
+    assert s["global batch"] == 16 and s["data fingerprint"] == "abc"
+    assert s["format version"] == checkpoint.FORMAT_VERSION
+    assert {"model_preset", "vocab_size", "seq_length", "lr", "seed"} <= set(s)
+
+
+def test_iterating_the_loader_leaves_the_global_generator_alone():
+    """Each iter() over a DataLoader draws a base seed; the chapters give it its own
+    generator, so a resumed run's global RNG stream is not shifted by one draw."""
+    data = list(range(16))
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    iter(torch.utils.data.DataLoader(data, batch_size=4, generator=torch.Generator().manual_seed(0)))
+    assert torch.equal(torch.get_rng_state(), before)
+    iter(torch.utils.data.DataLoader(data, batch_size=4))  # without one, the global generator moves
+    assert not torch.equal(torch.get_rng_state(), before)
+
+
+# ---- two ranks ------------------------------------------------------------------------------
+
+def two_ranks(rank, port, root, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE="2", LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    sent = {"objects": [], "tensors": 0}
+    broadcast_object_list, broadcast = dist.broadcast_object_list, dist.broadcast
+
+    def record_objects(objects, *args, **kwargs):
+        sent["objects"].append(len(pickle.dumps(objects)))
+        return broadcast_object_list(objects, *args, **kwargs)
+
+    def record_tensor(tensor, *args, **kwargs):
+        sent["tensors"] += 1
+        return broadcast(tensor, *args, **kwargs)
+
+    dist.broadcast_object_list, dist.broadcast = record_objects, record_tensor
+    # each rank has its own generators; the saved checkpoint holds both
+    random.seed(100 + rank)
+    torch.manual_seed(100 + rank)
+    saved = train_state(0, steps=3, width=2048)  # 0.4 MB of state: far more than the small parts
+    path = save(saved, root, rank=rank)
+    draws_after_save = torch.rand(2)
+    sent.update(objects=[], tensors=0)
+    # rank 1 starts from other weights and no optimizer state; only rank 0 lists candidates
+    fresh, log = train_state(rank + 10, width=2048), Log()
+    candidates = [root / "step-99", path] if rank == 0 else []
+    (root / "step-99").mkdir(exist_ok=True)  # no manifest: a broken candidate, skipped
+    got = checkpoint.load_latest(candidates, fresh, SETTINGS, rank=rank, log=log)
+    results[rank] = {"path": str(got), "equal": same_tensors(fresh, saved), "step": fresh.step,
+                     "scheduler": fresh.scheduler.state_dict() == saved.scheduler.state_dict(),
+                     "draws": torch.equal(torch.rand(2), draws_after_save),
+                     "objects": sent["objects"], "tensors": sent["tensors"],
+                     "n_tensors": len(list(saved.tensors())), "warnings": log.lines,
+                     "state_bytes": (path / "state.pt").stat().st_size}
+    dist.destroy_process_group()
+
+
+def test_rank_0_reads_and_every_rank_receives_each_tensor_in_place(tmp_path):
+    results = mp.Manager().dict()
+    mp.spawn(two_ranks, args=(free_port(), tmp_path, results), nprocs=2, join=True)
+    for rank in (0, 1):
+        r = results[rank]
+        assert r["path"] == str(tmp_path / "step-00000003") and r["step"] == 3
+        assert r["equal"] and r["scheduler"]
+        assert r["draws"], f"rank {rank} did not get its own generators back"
+        # one broadcast per tensor (weights, moments, step counts), and the objects sent
+        # are small: the position, the schedule, the generators and the layout, no state
+        assert r["tensors"] == r["n_tensors"]
+        assert sum(r["objects"]) < r["state_bytes"] / 10, (r["objects"], r["state_bytes"])
+    assert "step-99 cannot be used" in results[0]["warnings"][0]
