@@ -169,19 +169,21 @@ def main():
             tracker.start_step()
             loss_sum.zero_()
             with tracker.phase("data"):
-                micro_batches = [next(batches) for _ in range(args.grad_accum)]
-                n_tokens = sum(int((y != IGNORE_INDEX).sum()) for _, y in micro_batches)
+                micro_batches = [(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+                                 for x, y in (next(batches) for _ in range(args.grad_accum))]
                 # DDP averages the ranks' gradients: x world_size / the global batch's token
-                # count (ranks differ with --padded) makes that the mean over all its tokens.
-                n_tokens = torch.tensor(n_tokens, device=device)
-                if distributed:
-                    dist.all_reduce(n_tokens)
+                # count makes that the mean over all its tokens. Packed, every target is a
+                # token: a known count, nothing to send. Padded, the ranks' counts differ:
+                # counted and summed on the device (no wait for the host).
+                n_tokens = global_batch * args.seq_length
+                if args.padded:
+                    n_tokens = sum((y != IGNORE_INDEX).sum() for _, y in micro_batches)
+                    if distributed:
+                        dist.all_reduce(n_tokens)
             # Gradient accumulation: backward adds into .grad, so the micro-batches' summed
             # losses, each divided by the step's token count, give one larger batch's gradient.
             for micro, (x, y) in enumerate(micro_batches):
                 with tracker.phase("data"):
-                    x = x.to(device, non_blocking=True)
-                    y = y.to(device, non_blocking=True)
                     attn_mask = build_attention_mask(x, data.pad_id) if args.padded else None
                 # Only the last micro-batch's backward all-reduces; the others just
                 # accumulate local gradients (what `with model.no_sync():` does). It must

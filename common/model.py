@@ -120,6 +120,19 @@ def apply_rotary(x, cos, sin):
     return x * cos.to(x.dtype) + rotate_half(x) * sin.to(x.dtype)
 
 
+def shares_kv_heads(device_type: str, dtype: torch.dtype, masked: bool) -> bool:
+    """Whether attention passes its grouped K/V heads to SDPA as they are (enable_gqa).
+    On CUDA the flash kernel takes grouped heads but no explicit mask and no fp32; the
+    memory-efficient kernel takes a mask and fp32, but not grouped heads in every torch
+    version this guide supports. With enable_gqa, a mask (the padded form) or fp32 would
+    therefore fall back to the math kernel, which holds every B x H x T x T score in
+    memory; repeating K and V per query head lets the memory-efficient kernel run. On the
+    CPU the fused kernel takes grouped heads, a mask and fp32 alike."""
+    if device_type != "cuda":
+        return True
+    return not masked and dtype in (torch.float16, torch.bfloat16)
+
+
 class Attention(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -138,16 +151,18 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        # Padded data brings an additive mask (causal + padding keys, see masks.py); packed
+        # data none: is_causal then selects the flash kernel's fast path.
+        mask = None if attn_mask is None else attn_mask.to(q.dtype)
         # Grouped-query attention: each KV head serves n_heads / n_kv_heads query heads.
-        # enable_gqa lets SDPA share them without materialising repeated copies.
         gqa = self.n_kv_heads != self.n_heads
-        if attn_mask is None:
-            # Fast path: no mask tensor, so flash / memory-efficient kernels apply.
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        else:
-            # Padding present: an additive float mask (causal + padding), see masks.py.
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask.to(q.dtype),
-                                               enable_gqa=gqa)
+        if gqa and not shares_kv_heads(q.device.type, q.dtype, masked=mask is not None):
+            # repeated per query head, K and V suit the memory-efficient kernel (B x H x T x
+            # head_dim more memory, not the B x H x T x T scores of the math fallback)
+            groups = self.n_heads // self.n_kv_heads
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            gqa = False
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 

@@ -190,3 +190,34 @@ def test_slurm_script_is_valid_bash_and_launches_what_the_readme_says(tmp_path):
     assert out.startswith("OMP_NUM_THREADS=4 srun --cpus-per-task=32 torchrun --nnodes=2 "
                           "--nproc-per-node=8 --rdzv-id=123456 --rdzv-backend=c10d "
                           "--rdzv-endpoint=node-a:23456 03-ddp/train_llm.py")
+
+
+COUNT_COLLECTIVES = """
+import atexit, os, runpy, sys
+import torch.distributed as dist
+calls = []
+real = dist.all_reduce
+def counted(tensor, *args, **kwargs):
+    calls.append(1)
+    return real(tensor, *args, **kwargs)
+dist.all_reduce = counted
+atexit.register(lambda: os.environ["RANK"] == "0" and print("ALL_REDUCE_CALLS", len(calls), flush=True))
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("form", ["packed", "padded"])
+def test_packed_steps_send_no_token_count(tmp_path, form):
+    """Packed data has a known token count per step: nothing to send. Padded data sums
+    its count over the ranks once per step. Counted from dist.all_reduce calls over 6
+    steps, logging only at the last one (one all-reduce for the loss, one for the
+    validation); DDP's gradient all-reduces do not go through dist.all_reduce."""
+    wrapper = tmp_path / "count.py"
+    wrapper.write_text(COUNT_COLLECTIVES)
+    extra = ["--padded"] if form == "padded" else []
+    args = train_args(tmp_path, form, 4, "--log-freq", 100, *extra, steps=6)
+    proc = run(torchrun_cmd(2, wrapper, REPO / SCRIPT, *args))
+    calls = [int(line.split()[-1]) for line in proc.stdout.splitlines()
+             if line.startswith("ALL_REDUCE_CALLS")]
+    assert calls == [2 + (6 if form == "padded" else 0)], proc.stdout[-2000:]

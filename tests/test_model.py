@@ -11,7 +11,7 @@ import torch
 
 from common.data import train_tokenizer
 from common.masks import build_attention_mask
-from common.model import (PRESETS, LlamaConfig, LlamaForCausalLM, RotaryEmbedding,
+from common.model import (PRESETS, LlamaConfig, LlamaForCausalLM, RotaryEmbedding, shares_kv_heads,
                           apply_rotary, flops_per_token, get_config, non_matmul_params,
                           num_parameters)
 
@@ -230,6 +230,42 @@ def test_gqa_equals_explicitly_repeated_kv_heads():
     with torch.no_grad():
         torch.testing.assert_close(gqa(ids), mha(ids), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(gqa(ids, mask), mha(ids, mask), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device, dtype, masked, shares", [
+    ("cuda", torch.bfloat16, False, True),   # packed, bf16: flash takes the grouped heads
+    ("cuda", torch.bfloat16, True, False),   # padded: flash takes no mask
+    ("cuda", torch.float32, False, False),   # fp32: flash takes no fp32
+    ("cuda", torch.float32, True, False),
+    ("cpu", torch.float32, True, True),      # the CPU's fused kernel takes all of it
+    ("cpu", torch.bfloat16, False, True),
+])
+def test_which_settings_pass_grouped_kv_heads_to_sdpa(device, dtype, masked, shares):
+    assert shares_kv_heads(device, dtype, masked=masked) is shares
+
+
+def test_the_repeated_kv_path_is_what_sdpa_receives_and_equals_gqa(monkeypatch):
+    """Where grouped heads would send SDPA to its math kernel, attention repeats K and V
+    itself: SDPA then sees as many K/V heads as query heads and no enable_gqa, and the
+    model computes the same function."""
+    model = spread_weights(make_model())
+    H = model.config.num_attention_heads
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    ids[1, 8:] = 0
+    mask = build_attention_mask(ids, pad_id=0)
+    seen, sdpa = [], torch.nn.functional.scaled_dot_product_attention
+
+    def recording(q, k, v, **kwargs):
+        seen.append((k.shape[1], kwargs.get("enable_gqa", False), kwargs["attn_mask"] is not None))
+        return sdpa(q, k, v, **kwargs)
+    monkeypatch.setattr("common.model.F.scaled_dot_product_attention", recording)
+    with torch.no_grad():
+        grouped = model(ids, mask)
+        monkeypatch.setattr("common.model.shares_kv_heads", lambda *a, **k: False)
+        repeated = model(ids, mask)
+    layers = model.config.num_hidden_layers
+    assert seen == [(model.config.num_key_value_heads, True, True)] * layers + [(H, False, True)] * layers
+    torch.testing.assert_close(repeated, grouped, rtol=1e-5, atol=1e-5)
 
 
 def test_masked_path_equals_fast_path_without_padding():
