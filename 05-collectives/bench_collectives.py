@@ -193,9 +193,12 @@ def fmt_gbps(x: float) -> str:
     return f"{x:.3g}" if x < 1 else f"{x:,.2f}"
 
 
+COLUMNS = ("op", "size", "time (us)", "algbw (GB/s)", "busbw (GB/s)")
+
+
 def results_table(rows) -> str:
     """One Markdown row per (op, size); numbers right-aligned."""
-    header = ("op", "size", "time (us)", "algbw (GB/s)", "busbw (GB/s)")
+    header = COLUMNS
     body = [(r["op"], fmt_bytes(r["bytes"]), f"{r['time_s'] * 1e6:,.1f}",
              fmt_gbps(r["algbw_gbps"]), fmt_gbps(r["busbw_gbps"])) for r in rows]
     return markdown_table(header, body, right={2, 3, 4})
