@@ -185,7 +185,7 @@ def test_every_mode_equals_ddp_within_the_rounding_bound(tmp_path, nproc, flags)
     assert "OK: every mode's weights equal DDP's" in proc.stdout
     bound = result["proof_bound"]
     lr = float(flags[1]) if flags else 1e-3
-    assert result["passed"] and 0 < bound < lr * 1e-5  # far inside one AdamW step (~lr)
+    assert result["passed"] and 0 < bound < lr * 1e-3  # far inside one AdamW step (~lr)
     modes = result["modes"]
     for m, r in modes.items():
         assert r["max_abs_diff_vs_ddp"] <= bound and r["ranks_differ"] == 0.0, m
