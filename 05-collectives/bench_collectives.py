@@ -34,8 +34,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.cli import (UsageError, comma_list, non_negative_int, one_of, positive_int,  # noqa: E402
                         script_parser)
-from common.distributed import destroy_process_group, start_demo  # noqa: E402
+from common.distributed import destroy_process_group, first_error, start_demo  # noqa: E402
 from common.metrics import device_name, environment_info, markdown_table, write_json  # noqa: E402
+from common.proof import max_over_ranks  # noqa: E402
 from common.runfolder import claim_run_folder  # noqa: E402
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
@@ -85,25 +86,28 @@ def parse_args(argv=None):
     def check_sizes(args):
         if args.min_bytes > args.max_bytes:
             raise UsageError(f"--min-bytes {args.min_bytes} is larger than --max-bytes {args.max_bytes}")
-        # all_gather and reduce_scatter hold the whole array plus one part on every rank
-        world, avail = int(os.environ.get("WORLD_SIZE", 1)), available_memory()
-        need = 2 * args.max_bytes * world  # every rank of this machine, at the largest size
-        if avail is not None and need > avail:
-            raise UsageError(f"--max-bytes {args.max_bytes}: the largest buffers need about "
-                             f"{need / 2**30:.1f} GiB on this machine and {avail / 2**30:.1f} GiB "
-                             f"are available; lower --max-bytes")
     p.checks.append(check_sizes)
     return p.parse_args(argv)
 
 
-def available_memory() -> int | None:
-    """Bytes the buffers may use: free GPU memory, else the machine's available RAM."""
-    if torch.cuda.is_available():
-        return torch.cuda.mem_get_info()[0] * torch.cuda.device_count()
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
+def memory_error(max_bytes: int, device: torch.device, ranks_here: int) -> str | None:
+    """Do the largest buffers fit? all_gather and reduce_scatter hold the whole array plus
+    one part: about 2 x --max-bytes per rank. On GPUs each rank asks about its own GPU,
+    only after set_device (asking earlier would open a context on GPU 0 from every rank,
+    which GPUs in EXCLUSIVE_PROCESS mode refuse), for its own buffers; on CPUs the
+    machine's RAM holds the buffers of every rank on it (`ranks_here`, LOCAL_WORLD_SIZE)."""
+    if device.type == "cuda":
+        free, where, need = torch.cuda.mem_get_info(device)[0], f"GPU {device.index}", 2 * max_bytes
+    else:
+        try:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
+        where, need = f"this machine ({ranks_here} ranks)", 2 * max_bytes * ranks_here
+    if need > free:
+        return (f"--max-bytes {max_bytes}: the largest buffers need about {need / 2**30:.1f} GiB on "
+                f"{where} and {free / 2**30:.1f} GiB are available; lower --max-bytes")
+    return None
 
 
 def make_call(op, nbytes, dtype, world, device):
@@ -165,6 +169,19 @@ def time_call(call, iters, warmup, device):
     return (time.perf_counter() - t0) / iters
 
 
+def measure(op, nbytes, dtype, world, device, iters, warmup) -> dict:
+    """One row of the table: `op` at `nbytes`, timed on every rank."""
+    call, counted = make_call(op, nbytes, dtype, world, device)
+    # A collective is done when the slowest rank is done: report the max (a collective
+    # too, on the group's device). nccl-tests defaults to the mean over ranks; on large
+    # messages the two hardly differ.
+    t = max_over_ranks(time_call(call, iters, warmup, device), device)
+    algbw = counted / t / 1e9  # GB/s, 1 GB = 1e9 bytes as in nccl-tests
+    factor = bus_factor(op, world)
+    return {"op": op, "bytes": counted, "requested_bytes": nbytes, "count": counted // dtype.itemsize,
+            "time_s": t, "algbw_gbps": algbw, "bus_factor": factor, "busbw_gbps": algbw * factor}
+
+
 def fmt_bytes(n: int) -> str:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= size:
@@ -176,9 +193,12 @@ def fmt_gbps(x: float) -> str:
     return f"{x:.3g}" if x < 1 else f"{x:,.2f}"
 
 
+COLUMNS = ("op", "size", "time (us)", "algbw (GB/s)", "busbw (GB/s)")
+
+
 def results_table(rows) -> str:
     """One Markdown row per (op, size); numbers right-aligned."""
-    header = ("op", "size", "time (us)", "algbw (GB/s)", "busbw (GB/s)")
+    header = COLUMNS
     body = [(r["op"], fmt_bytes(r["bytes"]), f"{r['time_s'] * 1e6:,.1f}",
              fmt_gbps(r["algbw_gbps"]), fmt_gbps(r["busbw_gbps"])) for r in rows]
     return markdown_table(header, body, right={2, 3, 4})
@@ -214,6 +234,15 @@ def main():
     args = parse_args()
     group = start_demo(args.timeout)  # one process per device: nccl on GPUs, gloo on CPUs
     rank, world, device, backend = group.rank, group.world, group.device, group.backend
+    # Only now, after set_device: each rank checks its own GPU. Every rank hears the first
+    # rank's error and all stop, before any buffer or folder exists.
+    error = first_error(memory_error(args.max_bytes, device, int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    if error:
+        if rank == 0:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        dist.barrier()  # rank 0 has said it before anyone leaves (torchrun ends the job then)
+        destroy_process_group()
+        return 2
     # The run folder first: results are never lost to a folder that cannot be written.
     run_dir = claim_run_folder(Path(args.save_dir) / args.experiment_name, rank=rank)
     dtype = DTYPES[args.dtype]
@@ -233,22 +262,9 @@ def main():
             if rank == 0:
                 print(f"note: {notes[-1]}", flush=True)
             continue
-        factor = bus_factor(op, world)
-        for nbytes in sizes:
-            call, counted = make_call(op, nbytes, dtype, world, device)
-            t = time_call(call, args.iters, args.warmup, device)
-            # A collective is done when the slowest rank is done: report the max.
-            # (nccl-tests defaults to the mean over ranks; on large messages the two
-            # hardly differ.)
-            t_max = torch.tensor([t], dtype=torch.float64, device=device)
-            dist.all_reduce(t_max, op=dist.ReduceOp.MAX)
-            t = t_max.item()
-            algbw = counted / t / 1e9  # GB/s, 1 GB = 1e9 bytes as in nccl-tests
-            rows.append({"op": op, "bytes": counted, "requested_bytes": nbytes,
-                         "count": counted // dtype.itemsize, "dtype": args.dtype,
-                         "time_s": t, "algbw_gbps": algbw, "bus_factor": factor,
-                         "busbw_gbps": algbw * factor})
-            del call  # free this size's buffers before the next, larger one
+        for nbytes in sizes:  # each size's buffers are freed before the next, larger one
+            rows.append({**measure(op, nbytes, dtype, world, device, args.iters, args.warmup),
+                         "dtype": args.dtype})
 
     if rank == 0:
         print(f"\n{results_table(rows)}\n", flush=True)
@@ -274,7 +290,8 @@ def main():
         print(f"\noutputs in {run_dir}", flush=True)
     dist.barrier()  # nobody leaves while rank 0 still writes
     destroy_process_group()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -264,8 +264,7 @@ class Demo:
         ok = waited >= last - 0.1
         self.show("barrier", f"rank r arrives after r x {step} s (in), leaves after 'out' s: "
                   f"nobody leaves before the last rank arrives at {last:.1f} s",
-                  torch.tensor([round(step * self.rank, 1)]), torch.tensor([round(waited, 2)]),
-                  torch.tensor([last]), ok=ok)
+                  self.t([round(step * self.rank, 1)]), self.t([round(waited, 2)]), self.t([last]), ok=ok)
 
 
 # ------------------------------------------------------------------- timeout demo

@@ -6,7 +6,8 @@ three ways (naive: one all_reduce per tensor; bucketed: a few flat buffers; over
 buckets reduced while backward goes on, as DDP does), beside torch's DDP, from the same
 weights on the same batches. Prove: --proof-steps float64 steps of every mode must end
 with DDP's parameters (bit for bit on 2 ranks, within PROOF_TOLERANCE on more), else exit
-status 1. Time: --steps float32 steps, the modes interleaved. Report: a table and JSON.
+status 1. Time: --steps steps in the chapters' training dtype (bf16 autocast on GPUs, fp32
+on CPUs), the modes interleaved. Report: a table and JSON.
 
     torchrun --standalone --nproc-per-node=2 05-collectives/ddp_from_scratch.py
     torchrun --standalone --nproc-per-node=2 05-collectives/ddp_from_scratch.py --modes naive,bucketed,overlap,ddp
@@ -15,21 +16,24 @@ status 1. Time: --steps float32 steps, the modes interleaved. Report: a table an
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
+from tqdm import tqdm
 
 # Runnable from the repo root or from inside this folder, installed or not.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.cli import comma_list, non_negative_int, positive_float, positive_int, script_parser  # noqa: E402
-from common.data import IGNORE_INDEX, fixed_batches  # noqa: E402
+from common.data import IGNORE_INDEX, fixed_batches, show_progress  # noqa: E402
 from common.distributed import DDP_NO_BUFFER_SYNC, destroy_process_group, start_demo  # noqa: E402
 from common.metrics import device_name, environment_info, markdown_table, write_json  # noqa: E402
 from common.model import LlamaForCausalLM, get_config, num_parameters  # noqa: E402
-from common.proof import max_difference_to_rank0, max_relative_difference, worst_over_ranks  # noqa: E402
+from common.proof import (exact_kernels, max_difference_to_rank0, max_over_ranks,  # noqa: E402
+                          max_relative_difference)
 from common.runfolder import claim_run_folder  # noqa: E402
 from common.training import build_optimizer  # noqa: E402
 
@@ -45,7 +49,8 @@ def parse_args(argv=None):
                       "all_reduce (naive, bucketed, overlapped), proven equal to DDP, and timed.",
                       training=True)
     p.add_argument("--proof-steps", type=positive_int, default=3, help="float64 steps per mode, proof")
-    p.add_argument("--steps", type=positive_int, default=12, help="float32 steps of every mode, timed")
+    p.add_argument("--steps", type=positive_int, default=12,
+                   help="timed steps of every mode (bf16 autocast on GPUs, fp32 on CPUs)")
     p.add_argument("--timing-warmup", type=non_negative_int, default=2,
                    help="first steps of each mode left out of the timing")
     p.add_argument("--bucket-mb", type=positive_float, default=25.0,
@@ -180,13 +185,14 @@ class OverlappedAllReduce(BucketedAllReduce):
 class Replica:
     """This rank's replica in one mode: model, gradient averaging, optimizer, timings."""
 
-    def __init__(self, mode, args, config, device, rank, world, dtype):
+    def __init__(self, mode, args, config, device, rank, world, dtype, autocast=None):
         self.mode, self.device = mode, device
+        self.autocast = autocast or nullcontext()
         # A different seed on every rank, on purpose: only the broadcast (or DDP's
         # constructor) makes the replicas equal. Every mode starts from rank 0's weights.
         torch.manual_seed(args.seed + rank)
         self.model = LlamaForCausalLM(config).to(device, dtype)
-        self.differ_before = max_difference_to_rank0(self.model)
+        self.differ_before = max_difference_to_rank0(list(self.model.parameters()))
         if mode == "ddp":
             # The constructor broadcasts rank 0's state, then installs the bucketed,
             # overlapped all-reduce hooks (no buffer re-broadcast: as in chapter 03).
@@ -200,10 +206,10 @@ class Replica:
                          "bucketed": lambda: BucketedAllReduce(self.model, world, args.bucket_mb, device),
                          "overlap": lambda: OverlappedAllReduce(self.model, world, args.bucket_mb, device),
                          }[mode]()
-        if max_difference_to_rank0(self.model) != 0.0:
+        if max_difference_to_rank0(list(self.model.parameters())) != 0.0:
             raise RuntimeError(f"{mode}: replicas differ after the initial broadcast")
-        # the chapters' AdamW (not fused: float64 in the proof)
-        self.optimizer = build_optimizer(self.model, args.lr, 0.1, "cpu")
+        # the chapters' AdamW (fused on GPUs; not in the float64 proof)
+        self.optimizer = build_optimizer(self.model, args.lr, 0.1, "cpu" if dtype == torch.float64 else device)
         self.times, self.losses = {"step": [], "compute": [], "sync": []}, []
 
     def clock(self):
@@ -213,8 +219,9 @@ class Replica:
 
     def step(self, x, y):
         t0 = self.clock()
-        logits = self.forward_model(x)
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), ignore_index=IGNORE_INDEX)
+        with self.autocast:  # bf16 autocast in the timed GPU steps, as the chapters train
+            logits = self.forward_model(x)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), ignore_index=IGNORE_INDEX)
         loss.backward()  # ddp and overlap: the all-reduces start in here, from hooks
         t1 = self.clock()
         if self.sync is not None:
@@ -228,12 +235,19 @@ class Replica:
         self.losses.append(loss.detach().float())
 
 
-def run_modes(args, config, batches, group, dtype):
+def steps(batches, what, group):
+    """The batches, announced in one line by rank 0, with a progress bar in a terminal."""
+    if group.rank == 0:
+        print(what, flush=True)
+    return tqdm(batches, desc=what.split(":")[0], leave=False, disable=group.rank != 0 or not show_progress())
+
+
+def run_modes(args, config, batches, group, what, dtype=torch.float32, autocast=None):
     """Every mode from the same start on the same batches, one step of each in turn, so
     a change in the machine's load (other programs, turbo, caches) hits all modes alike."""
-    replicas = {mode: Replica(mode, args, config, group.device, group.rank, group.world, dtype)
+    replicas = {mode: Replica(mode, args, config, group.device, group.rank, group.world, dtype, autocast)
                 for mode in args.modes}
-    for x, y in batches:
+    for x, y in steps(batches, what, group):
         for replica in replicas.values():
             replica.step(x, y)
     return replicas
@@ -244,29 +258,33 @@ def run_modes(args, config, batches, group, dtype):
 def prove(args, config, batches, group) -> dict:
     """--proof-steps float64 steps of every mode: each one's parameters against DDP's,
     the worst rank's figure, and whether the replicas of each mode stayed identical."""
-    replicas = run_modes(args, config, [(x, y) for x, y in batches[:args.proof_steps]], group,
-                         torch.float64)
+    with exact_kernels():  # deterministic kernels, no TF32: the modes may differ only in the sums
+        replicas = run_modes(args, config, batches[:args.proof_steps], group,
+                             f"proof: {args.proof_steps} float64 steps of each mode", torch.float64)
     reference = replicas.get("ddp")
     proof = {}
     for mode, r in replicas.items():
         rel = reference and max_relative_difference(list(r.model.parameters()),
                                                     list(reference.model.parameters()))
-        proof[mode] = {"max_rel_diff_vs_ddp": worst_over_ranks(rel, group.device) if reference else None,
+        proof[mode] = {"max_rel_diff_vs_ddp": max_over_ranks(rel, group.device) if reference else None,
                        "replicas_differ_before_broadcast": r.differ_before,
-                       "replicas_differ_after_training": max_difference_to_rank0(r.model)}
+                       "replicas_differ_after_training": max_difference_to_rank0(list(r.model.parameters()))}
     return proof
 
 
 def time_modes(args, config, batches, group) -> dict:
-    """--steps float32 steps of every mode, interleaved; figures from the median step of
-    the slowest rank (the steps end together anyway)."""
-    replicas = run_modes(args, config, batches, group, torch.float32)
+    """--steps steps of every mode, interleaved, in the chapters' training dtype: bf16
+    autocast on GPUs (fp32 weights, gradients and optimizer), fp32 on CPUs. Figures from
+    the median step of the slowest rank (the steps end together anyway)."""
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if group.device.type == "cuda" else None
+    replicas = run_modes(args, config, batches[:args.steps], group,
+                         f"timing: {args.steps} {timing_dtype(group)} steps of each mode", autocast=autocast)
     results = {}
     for mode, r in replicas.items():
         times = torch.tensor([r.times[k] for k in ("step", "compute", "sync")],
                              dtype=torch.float64, device=group.device)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
-        losses = torch.stack(r.losses)
+        losses = torch.stack(r.losses).to(group.device)
         dist.all_reduce(losses)  # the global batch's loss: the sum of the ranks' means / world
         skip = min(args.timing_warmup, args.steps - 1)  # keep at least one measured step
         step, compute, sync = (statistics.median(t[skip:].tolist()) for t in times)
@@ -283,10 +301,17 @@ def time_modes(args, config, batches, group) -> dict:
     return results
 
 
+def timing_dtype(group) -> str:
+    return "bf16 autocast" if group.device.type == "cuda" else "fp32"
+
+
+COLUMNS = ("mode", "tokens/s", "vs DDP", "step (ms)", "fwd+bwd (ms)", "exposed all-reduce (ms)",
+           "all_reduce calls/step", "proof: max rel diff vs DDP")
+
+
 def results_table(results, proof) -> str:
     """The modes side by side, as a Markdown table."""
-    header = ("mode", "tokens/s", "vs DDP", "step (ms)", "fwd+bwd (ms)",
-              "exposed all-reduce (ms)", "all_reduce calls/step", "proof: max rel diff vs DDP")
+    header = COLUMNS
     ms = lambda t: "(in backward)" if t is None else f"{t * 1e3:,.1f}"  # noqa: E731
     rows = [(mode, f"{r['tokens_per_s']:,.0f}",
              f"{100 * r['tokens_per_s_vs_ddp']:.1f}%" if r["tokens_per_s_vs_ddp"] else "n/a",
@@ -299,8 +324,7 @@ def results_table(results, proof) -> str:
 
 def main():
     args = parse_args()
-    # deterministic: on GPUs too the modes must agree to rounding (no TF32, no atomics)
-    group = start_demo(args.timeout, deterministic=True)
+    group = start_demo(args.timeout)
     rank, world = group.rank, group.world
     run_dir = claim_run_folder(Path(args.save_dir) / args.experiment_name, rank=rank)
     data, batches = fixed_batches(args.dataset_name, args.seq_length, args.batch_size,
@@ -311,7 +335,8 @@ def main():
     if rank == 0:
         print(f"{world} ranks, {group.backend}, {device_name(group.device)}; {args.model_preset} "
               f"preset, {n_params / 1e6:.2f} M parameters; proof {args.proof_steps} float64 "
-              f"steps, timing {args.steps} float32 steps of {args.tokens_per_step:,} tokens", flush=True)
+              f"steps, timing {args.steps} {timing_dtype(group)} steps of {args.tokens_per_step:,} tokens",
+              flush=True)
 
     # ---- 1. prove: the same parameters as DDP, on every rank ------------------------
     proof = prove(args, config, batches, group)
@@ -321,7 +346,7 @@ def main():
     failures += [f"{mode}: max relative difference to DDP {p['max_rel_diff_vs_ddp']:.3g} > {tolerance:g}"
                  for mode, p in proof.items() if (p["max_rel_diff_vs_ddp"] or 0.0) > tolerance]
 
-    # ---- 2. time: float32, steps interleaved --------------------------------------
+    # ---- 2. time: the training dtype, steps interleaved -----------------------------
     results = time_modes(args, config, batches, group)
 
     # ---- 3. report -----------------------------------------------------------------
@@ -331,6 +356,7 @@ def main():
         write_json(run_dir / "ddp_from_scratch.json", {
             **vars(args), "world_size": world, "backend": group.backend,
             "device_name": device_name(group.device), "num_params": n_params,
+            "proof_dtype": "float64", "timing_dtype": timing_dtype(group),
             "tolerance": tolerance, "passed": not failures, "failures": failures,
             "modes": {m: {**r, **proof[m]} for m, r in results.items()},
             "environment": environment_info()})

@@ -75,24 +75,23 @@ def destroy_process_group():
 
 @dataclass
 class Demo:
+    """A chapter 05 script's process group: this rank, the world size, the one device
+    whose tensors its collectives may send, and the backend (nccl or gloo)."""
     rank: int
     world: int
     device: torch.device
     backend: str
 
 
-def start_demo(timeout_s: float, *, deterministic: bool = False) -> Demo:
+def start_demo(timeout_s: float) -> Demo:
     """The chapter 05 scripts' process group: torchrun set RANK, LOCAL_RANK, WORLD_SIZE,
     MASTER_ADDR and MASTER_PORT; nccl moves GPU memory between GPUs, gloo moves CPU
-    memory over sockets. `deterministic`: fp32 without TF32 and deterministic kernels on
-    GPUs, where runs must agree to rounding."""
+    memory over sockets. Every tensor a collective sends must live on `Demo.device`:
+    nccl refuses CPU tensors, gloo GPU ones. (The proofs ask for exact kernels
+    themselves, for their duration only: `common.proof.exact_kernels`.)"""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     kwargs = {}
     if torch.cuda.is_available():
-        if deterministic:
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-            torch.use_deterministic_algorithms(True, warn_only=True)
-            torch.backends.cuda.matmul.allow_tf32 = False
         torch.cuda.set_device(local_rank)  # else every process would use GPU 0
         backend, device = "nccl", torch.device("cuda", local_rank)
         kwargs["device_id"] = device

@@ -7,7 +7,8 @@ the lesson itself.
   (a DTensor counts its local shard).
 - `peak_step_bytes`: the peak bytes of live tensors during one step, as torch's
   MemTracker (a dispatch mode that sees every tensor created) counts them.
-- `measure`, `max_over_ranks`, ...: a mode's results, over all ranks.
+- `measure`, `mean_over_ranks`: a mode's results, over all ranks (every collective on
+  the demo's device: nccl takes only GPU tensors).
 - `start_summary`, `report`: the run's header, tables (printed), JSON and figure.
 """
 
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .metrics import device_name, environment_info, markdown_table, write_json
+from .proof import max_over_ranks
 
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (the old names warn).
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -133,7 +135,7 @@ def peak_step_bytes(trainer, batch) -> float:
     with tracker:
         trainer.step(*batch)
     peak = tracker.get_tracker_snapshot("peak")
-    return max_over_ranks(max(snap["Total"] for snap in peak.values()))
+    return max_over_ranks(max(snap["Total"] for snap in peak.values()), trainer.demo.device)
 
 
 def clock(device: torch.device) -> float:
@@ -142,44 +144,25 @@ def clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def max_over_ranks(value: float) -> float:
-    t = torch.tensor([float(value)], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
-def mean_over_ranks(losses) -> list[float]:
-    """Per step, the mean of the ranks' losses: the global batch's loss (equal token counts)."""
-    t = torch.stack(losses).double()
+def mean_over_ranks(losses, device) -> list[float]:
+    """Per step, the mean of the ranks' losses: the global batch's loss (equal token
+    counts). A collective, sent on `device`."""
+    t = torch.stack(losses).to(device, torch.float64)
     dist.all_reduce(t)
     return (t / dist.get_world_size()).tolist()
 
 
-def relative_difference(params, reference) -> float:
-    """max over tensors of ||a - b|| / ||b|| (as in ddp_from_scratch.py), worst rank: 0.0
-    when equal. A norm, not the worst element: Adam turns the rounding of a gradient that
-    nearly cancels across ranks into a visible difference in a handful of elements."""
-    return max_over_ranks(max(((a - b).norm() / (b.norm() + 1e-30)).item()
-                              for a, b in zip(params, reference)))
-
-
-def max_difference_to_rank0(tensors) -> float:
-    """Largest |x - rank 0's x| over all elements and ranks: 0.0 means identical copies."""
-    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-    rank0 = flat.clone()
-    dist.broadcast(rank0, src=0)
-    return max_over_ranks((flat - rank0).abs().max().item())
-
-
-def start_summary(args, demo, num_params: int, tolerance: float) -> dict:
+def start_summary(args, demo, num_params: int, timing_dtype: str) -> dict:
     """The run's facts for the JSON; rank 0 announces the run."""
     summary = {"world_size": demo.world, "backend": demo.backend, "device_name": device_name(demo.device),
-               "num_params": num_params, "tolerance": tolerance, "load_average_before": os.getloadavg()[0],
+               "num_params": num_params, "proof_dtype": "fp64", "timing_dtype": timing_dtype,
+               "proof_bound": None, "load_average_before": os.getloadavg()[0],
                "tokens_per_step": demo.world * args.batch_size * args.seq_length, "args": vars(args)}
     if demo.rank == 0:
         print(f"{demo.world} ranks, {demo.backend}, {summary['device_name']}; {args.model_preset} "
-              f"preset, {num_params / 1e6:.2f} M parameters, {args.dtype}; {args.steps} steps of "
-              f"{summary['tokens_per_step']:,} tokens per mode, modes interleaved step by step", flush=True)
+              f"preset, {num_params / 1e6:.2f} M parameters; proof {args.proof_steps} fp64 steps, timing "
+              f"{args.steps} {timing_dtype} steps of {summary['tokens_per_step']:,} tokens per mode, "
+              f"modes interleaved step by step", flush=True)
     return summary
 
 
@@ -187,17 +170,17 @@ def measure(trainer, warmup: int, tokens_per_step: int) -> dict:
     """A mode's results, over all ranks: throughput from the median step (slowest rank)
     after `warmup` (a median shrugs off steps that other programs slowed down), mean loss
     per step, the bytes this rank holds between steps, and its collectives per step."""
-    t = trainer
+    t, device = trainer, trainer.demo.device
     steps, world = len(t.times), t.comm.world
-    times = torch.tensor(t.times, dtype=torch.float64)
+    times = torch.tensor(t.times, dtype=torch.float64, device=device)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
     median = statistics.median(times[warmup:].tolist())
     params, grads = t.state_tensors()
     held = {"params": local_bytes(params), "grads": local_bytes(grads),
             "optimizer": optimizer_state_bytes(t.optimizer)}
-    return {"losses": mean_over_ranks(t.losses), "step_times_s": times.tolist(),
+    return {"losses": mean_over_ranks(t.losses, device), "step_times_s": times.tolist(),
             "step_time_s_median": median, "tokens_per_s": tokens_per_step / median,
-            "bytes": {k: max_over_ranks(v) for k, v in held.items()},
+            "bytes": {k: max_over_ranks(v, device) for k, v in held.items()},
             "comm_calls_per_step": {k: v / steps for k, v in t.comm.calls.items()} if t.comm.counted else None,
             "comm_sent_bytes_per_step": ({k: v / steps for k, v in t.comm.sent_bytes().items()}
                                          if t.comm.counted else None),
@@ -216,31 +199,37 @@ def report(summary: dict, results: dict, failures: list, run_dir: Path, name: st
           "called, as a ring algorithm sends them; textbook: 2(N-1)/N or 3(N-1)/N x the "
           "parameters' bytes); proof:\n")
     print(comm_table(results))
-    print(f"\nmedian step of steps {a['timing_warmup'] + 1}..{a['steps']}, slowest rank; load "
+    print(f"\nmedian step of steps {a['timing_warmup'] + 1}..{a['steps']} ({summary['timing_dtype']}), "
+          f"slowest rank; load "
           f"average {summary['load_average_before']:.2f} before, {os.getloadavg()[0]:.2f} after", flush=True)
     run_dir.mkdir(parents=True, exist_ok=True)  # created only now, by rank 0 only
     write_json(run_dir / f"{name}.json", {**summary, "load_average_after": os.getloadavg()[0],
                                           "passed": not failures, "failures": failures, "modes": results,
                                           "environment": environment_info(), "torch_version": torch.__version__})
     plot(results, run_dir / f"{name}.png", f"{world} ranks, {summary['backend']}, "
-         f"{summary['device_name']}, {a['model_preset']}, {a['dtype']}")
+         f"{summary['device_name']}, {a['model_preset']}, {summary['timing_dtype']}")
     print(f"outputs in {run_dir}", flush=True)
     if failures:
         print("FAILED: " + "; ".join(failures), file=sys.stderr, flush=True)
     elif ddp:
-        worst = max(r["max_rel_diff_vs_ddp"] for r in results.values())
+        worst = max(r["max_abs_diff_vs_ddp"] for r in results.values())
         how = "bit for bit" if worst == 0.0 else \
-            f"to rounding (max relative difference {worst:.2g} <= {summary['tolerance']:.2g})"
-        print(f"OK: every mode's losses and weights equal DDP's after {a['steps']} steps, {how}", flush=True)
+            f"to rounding (largest difference {worst:.2g} <= bound {summary['proof_bound']:.2g})"
+        print(f"OK: every mode's weights equal DDP's after {a['proof_steps']} fp64 steps, {how}", flush=True)
 
 
 def _mib(n) -> str:
     return f"{n / 2**20:,.2f}"
 
 
+MEMORY_COLUMNS = ("mode", "params MiB", "grads MiB", "AdamW state MiB", "state vs DDP",
+                  "peak in step MiB (MemTracker)")
+COMM_COLUMNS = ("mode", "tokens/s", "vs DDP", "step ms (median)", "calls/step", "MiB sent/step (counted)",
+                "MiB sent/step (textbook)", "proof: max abs diff vs DDP")
+
+
 def memory_table(results: dict) -> str:
-    header = ("mode", "params MiB", "grads MiB", "AdamW state MiB", "state vs DDP",
-              "peak in step MiB (MemTracker)")
+    header = MEMORY_COLUMNS
     ref = results.get("ddp", {}).get("bytes", {}).get("optimizer")
     rows = [(m, _mib(r["bytes"]["params"]), _mib(r["bytes"]["grads"]), _mib(r["bytes"]["optimizer"]),
              f"{100 * r['bytes']['optimizer'] / ref:.1f}%" if ref else "n/a",
@@ -249,19 +238,18 @@ def memory_table(results: dict) -> str:
 
 
 def comm_table(results: dict) -> str:
-    header = ("mode", "tokens/s", "vs DDP", "step ms (median)", "calls/step", "MiB sent/step (counted)",
-              "MiB sent/step (textbook)", "max rel diff vs DDP")
+    header = COMM_COLUMNS
     rows = []
     for m, r in results.items():
         counted = r["comm_sent_bytes_per_step"] is not None
         calls = ", ".join(f"{v:.3g} {k}" for k, v in r["comm_calls_per_step"].items()) if counted else "n/a"
-        rel = r.get("max_rel_diff_vs_ddp")
+        diff = r.get("max_abs_diff_vs_ddp")
         rows.append((m, f"{r['tokens_per_s']:,.0f}",
                      f"{100 * r['tokens_per_s_vs_ddp']:.1f}%" if r.get("tokens_per_s_vs_ddp") else "n/a",
                      f"{r['step_time_s_median'] * 1e3:,.1f}", calls,
                      _mib(sum(r["comm_sent_bytes_per_step"].values())) if counted else "n/a",
                      _mib(r["textbook_sent_bytes_per_step"]),
-                     f"{rel:.2e}" if rel is not None else "n/a"))
+                     f"{diff:.2e}" if diff is not None else "n/a"))
     return markdown_table(header, rows, right=(1, 2, 3, 5, 6, 7))
 
 

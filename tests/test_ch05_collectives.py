@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import re
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import load_script, python_cmd, read_json, run, torchrun_cmd
+from conftest import REPO, load_script, python_cmd, read_json, run, torchrun_cmd
+from common import sharding
 
 CH = "05-collectives"
 DEMO, BENCH, SCRATCH = f"{CH}/collectives_demo.py", f"{CH}/bench_collectives.py", f"{CH}/ddp_from_scratch.py"
@@ -80,7 +82,6 @@ TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "2"}  # as torchrun would set: checks
     (BENCH, ["--ops", "all_reduce,all_scatter"], "argument --ops: unknown all_scatter"),
     (BENCH, ["--max-bytes", "1000"], "argument --max-bytes: must be a power of 2 (got 1000)"),
     (BENCH, ["--min-bytes", "4096", "--max-bytes", "1024"], "--min-bytes 4096 is larger"),
-    (BENCH, ["--max-bytes", str(2**44)], "are available; lower --max-bytes"),
     (BENCH, ["--dtype", "int8"], "argument --dtype: unknown 'int8'"),
     (SCRATCH, ["--modes", "naive,turbo"], "argument --modes: unknown turbo"),
     (SCRATCH, ["--modes", "naive,naive"], "argument --modes: lists an item twice"),
@@ -149,6 +150,19 @@ def test_a_skipped_collective_times_out_instead_of_hanging():
 
 # ------------------------------------------------------------------ the benchmark
 
+def test_benchmark_refuses_buffers_that_do_not_fit(tmp_path):
+    """Checked after set_device (each rank its own GPU; here: the machine's RAM for both
+    ranks), before any buffer or folder exists: one line from rank 0, exit status 2."""
+    save = tmp_path / "out"
+    proc = run(torchrun_cmd(2, BENCH, "--max-bytes", str(2**44), "--save-dir", save), check=False, timeout=120)
+    assert proc.returncode != 0 and "Root Cause" in proc.stderr and "exitcode  : 2" in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr
+    assert errors[0].startswith(f"error: --max-bytes {2**44}: the largest buffers need about 65536.0 GiB on "
+                                f"this machine (2 ranks) and ") and errors[0].endswith("lower --max-bytes")
+    assert proc.stdout == "" and not save.exists()
+
+
 def test_benchmark_writes_busbw_with_the_right_factors(tmp_path):
     proc = run(torchrun_cmd(3, BENCH, "--max-bytes", "65536", "--min-bytes", "4096", "--iters", "3",
                             "--warmup", "1", "--save-dir", tmp_path, "--experiment-name", "b"),
@@ -184,6 +198,9 @@ def test_ddp_from_scratch_equals_ddp_bit_for_bit_on_2_ranks(tmp_path):
                timeout=240)
     assert "| naive" in proc.stdout and "tokens/s" in proc.stdout
     assert "equal DDP's after 3 float64 steps, bit for bit" in proc.stdout
+    out = proc.stdout  # each phase says what runs before it runs, ahead of the table
+    assert 0 < out.index("proof: 3 float64 steps of each mode") < out.index("timing: 3 fp32 steps of each mode") \
+        < out.index("| naive")
     result = read_json(tmp_path / "s" / "ddp_from_scratch.json")
     assert result["passed"] and result["failures"] == []
     assert result["world_size"] == 2 and result["backend"] == "gloo"
@@ -248,3 +265,28 @@ def test_the_proof_bound_catches_a_real_bug():
         return list(model.parameters())
     good, bug = trained(1.0), trained(2.0)  # 2 ranks' gradients summed, not averaged
     assert max_relative_difference(bug, good) > 1e3 * scratch.PROOF_TOLERANCE
+
+
+# ------------------------------------------------- the README shows what the scripts print
+
+def readme_table_headers(path: Path) -> list[tuple[str, ...]]:
+    """The header row of every Markdown table in the file (indented ones too)."""
+    lines = path.read_text().splitlines()
+    return [tuple(cell.strip() for cell in line.strip().strip("|").split("|"))
+            for line, below in zip(lines, lines[1:])
+            if line.lstrip().startswith("|") and re.match(r"\s*\|\s*:?-{3,}", below)]
+
+
+def test_readme_tables_have_the_columns_the_scripts_print():
+    """Every table in the README that shows a script's output (it shares three or more
+    columns with one the scripts print) has exactly that table's columns, in order."""
+    printed = {"bench_collectives": bench.COLUMNS, "ddp_from_scratch": scratch.COLUMNS,
+               "sharded_from_scratch (bytes held)": sharding.MEMORY_COLUMNS,
+               "sharded_from_scratch (throughput, proof)": sharding.COMM_COLUMNS}
+    shown = 0
+    for header in readme_table_headers(REPO / CH / "README.md"):
+        name, columns = max(printed.items(), key=lambda kv: len(set(kv[1]) & set(header)))
+        if len(set(columns) & set(header)) >= 3:
+            assert header == tuple(columns), f"a README table of {name} shows {header}, the script prints {columns}"
+            shown += 1
+    assert shown >= 6  # bench 2, ddp_from_scratch 2, sharded_from_scratch 2
