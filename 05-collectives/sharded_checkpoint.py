@@ -144,14 +144,7 @@ def run(args, demo):
     batches = batches[start:]
     config = get_config(args.model_preset, data.vocab_size)
 
-    # The model sharded as in sharded_from_scratch.py: a unit per decoder layer, then the
-    # root. Every parameter is now a DTensor: rank r keeps rows [r*n/W, (r+1)*n/W) of it.
-    torch.manual_seed(args.seed)
-    model = LlamaForCausalLM(config).to(demo.device)
-    for layer in model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-    optimizer = build_optimizer(model, args.lr, 0.1, demo.device)  # its moments: DTensors too
+    model, optimizer = sharded_model(config, args.seed, args.lr, demo.device)
     say(demo, f"{demo.world} ranks, {demo.backend}; {args.model_preset} preset, FSDP2 "
               f"(each rank holds 1/{demo.world} of every parameter and AdamW moment)")
 
@@ -183,6 +176,18 @@ def run(args, demo):
                   f"every parameter and AdamW moment equals the saved state (max difference {worst:g}, "
                   f"{where} tensors compared)")
     return 0
+
+
+def sharded_model(config, seed: int, lr: float, device):
+    """The model sharded as in sharded_from_scratch.py: a unit per decoder layer, then the
+    root. Every parameter becomes a DTensor: rank r keeps its 1/W of the rows. AdamW's
+    moments, created like the parameters, are DTensors too."""
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(device)
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model, build_optimizer(model, lr, 0.1, device)
 
 
 def train(model, optimizer, batches) -> list[float]:
