@@ -7,7 +7,8 @@ shards (DTensors, which know where they sit in the global tensor), and `dcp.save
 every rank write its own file, in parallel, plus one `.metadata` file that maps each
 tensor's pieces (global offsets and sizes) to the files and byte ranges holding them.
 Loading on W' ranks (resharding): each new rank asks for its own new shards, and DCP
-reads from the files exactly the pieces that overlap them.
+reads the saved pieces that overlap them (each piece's byte range of its file) and
+copies the overlapping rows in.
 
 Steps: train --steps steps on the torchrun world (FSDP2 on each decoder layer, then the
 root; AdamW), save model and optimizer with DCP into <save-dir>/<experiment-name>/step-N,
@@ -252,8 +253,8 @@ def save_sharded(model, optimizer, step_dir: Path, run_settings: dict, step: int
 def load_sharded(model, optimizer, step_dir: Path, demo):
     """The mirror of `save_sharded`, on any number of ranks: each rank builds its own
     (new) shards, asks DCP to fill them, and hands them to model and optimizer. Reading
-    `.metadata`, DCP finds which saved pieces overlap each new shard and reads only those
-    byte ranges."""
+    `.metadata`, DCP finds which saved pieces overlap each new shard, reads those pieces
+    (their byte ranges of the files) and copies the overlapping rows in."""
     model_state, optim_state = get_state_dict(model, optimizer)  # the shapes to fill, this world's
     state = {"model": model_state, "optim": optim_state}
     error = None
