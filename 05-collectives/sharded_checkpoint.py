@@ -45,6 +45,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 
@@ -124,7 +125,7 @@ def say(demo, *lines):
 
 
 def run(args, demo):
-    start, proof = 0, None
+    start = 0
     if args.load_step_dir:
         # Damage first (a deleted or truncated file, a flipped byte), before any work:
         # rank 0 checks every file against the manifest, every rank hears the verdict.
@@ -149,13 +150,23 @@ def run(args, demo):
     say(demo, f"{demo.world} ranks, {demo.backend}; {args.model_preset} preset, FSDP2 "
               f"(each rank holds 1/{demo.world} of every parameter and AdamW moment)")
 
+    verdict = None
     if args.load_step_dir:
         saved_world = args.load_meta["world_size"]
         load_sharded(model, optimizer, args.load_step_dir, demo)
         say(demo, f"loaded {args.load_step_dir} (step {start}, written by {saved_world} ranks) "
                   f"on {demo.world} ranks")
         say(demo, *where_pieces_come_from(model, args.load_step_dir, demo))
-        proof = prove_equal(model, optimizer, reference_path(args.load_step_dir), demo)
+        worst, compared, mismatches = prove_equal(model, optimizer, reference_path(args.load_step_dir), demo)
+        if mismatches:  # stop here: training on, or saving, a wrong state helps nobody
+            if demo.rank == 0:
+                print(f"FAILED: loaded a checkpoint written by {saved_world} ranks on {demo.world} ranks, "
+                      f"but {len(mismatches)} tensor(s) differ from the saved state, e.g. {mismatches[0]}",
+                      file=sys.stderr, flush=True)
+            return 1
+        verdict = (f"OK: loaded a checkpoint written by {saved_world} ranks on {demo.world} ranks: "
+                   f"every parameter and AdamW moment equals the saved state (max difference {worst:g}, "
+                   f"{compared} tensors compared)")
 
     losses = train(model, optimizer, batches)
     say(demo, "loss per step: " + ", ".join(f"{start + i + 1}: {loss:.4f}" for i, loss in enumerate(losses)))
@@ -163,19 +174,8 @@ def run(args, demo):
     step_dir = Path(args.save_dir) / args.experiment_name / f"step-{start + args.steps:08d}"
     seconds = save_sharded(model, optimizer, step_dir, settings(args, data.vocab_size), start + args.steps, demo)
     say(demo, "", f"saved {step_dir} in {seconds:.2f} s; its files:", "", file_table(step_dir, demo.world))
-    if proof is None:
-        return 0
-    saved_world, (worst, where, mismatches) = args.load_meta["world_size"], proof
-    if mismatches:
-        say(demo, "")  # the failure goes to stderr, on rank 0 only
-        if demo.rank == 0:
-            print(f"FAILED: loaded a checkpoint written by {saved_world} ranks on {demo.world} ranks, "
-                  f"but {len(mismatches)} tensor(s) differ from the saved state, e.g. {mismatches[0]}",
-                  file=sys.stderr, flush=True)
-        return 1
-    say(demo, "", f"OK: loaded a checkpoint written by {saved_world} ranks on {demo.world} ranks: "
-                  f"every parameter and AdamW moment equals the saved state (max difference {worst:g}, "
-                  f"{where} tensors compared)")
+    if verdict:
+        say(demo, "", verdict)
     return 0
 
 
@@ -219,15 +219,10 @@ def save_sharded(model, optimizer, step_dir: Path, run_settings: dict, step: int
     # torch.optim uses), so it can be matched to the parameters on any number of ranks.
     model_state, optim_state = get_state_dict(model, optimizer)
 
-    # For the proof only: the same state gathered whole onto rank 0's CPU (a collective),
-    # written beside the checkpoint, before it is committed.
-    full_model, full_optim = get_state_dict(model, optimizer, options=FULL_ON_RANK0)
+    write_reference(model, optimizer, reference_path(step_dir), demo)  # for the proof only
     if demo.rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # debris of an earlier kill
         tmp.mkdir()
-        atomic_write(reference_path(step_dir), lambda f: torch.save({"model": full_model, "optim": full_optim}, f))
-    del full_model, full_optim
     dist.barrier()  # the folder exists (on the shared file system) before anyone writes
 
     # The sharded save: each rank writes __<rank>_0.distcp with its own pieces, all at once;
@@ -248,6 +243,15 @@ def save_sharded(model, optimizer, step_dir: Path, run_settings: dict, step: int
         fsync_dir(run_dir)
     commit_on_rank0(commit, demo.rank, tmp)
     return time.perf_counter() - t0
+
+
+def write_reference(model, optimizer, path: Path, demo):
+    """The proof's reference: the same state gathered whole onto rank 0's CPU (a
+    collective), written with torch.save beside the checkpoint, before it is committed."""
+    full_model, full_optim = get_state_dict(model, optimizer, options=FULL_ON_RANK0)
+    if demo.rank == 0:  # the other ranks received empty dicts
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, lambda f: torch.save({"model": full_model, "optim": full_optim}, f))
 
 
 def load_sharded(model, optimizer, step_dir: Path, demo):
@@ -289,11 +293,12 @@ def where_pieces_come_from(model, step_dir: Path, demo, name="model.layers.0.mlp
     rows_here = local.shape[0]
     all_rows = [None] * demo.world
     dist.all_gather_object(all_rows, rows_here)
-    lines = [f"{name} {tuple(meta.state_dict_metadata[name].size)}: saved as"]
-    for index, info in sorted(((i, s) for i, s in meta.storage_data.items() if i.fqn == name),
-                              key=lambda kv: kv[0].offset[0]):
-        rows = meta.state_dict_metadata[name].chunks[index.index].sizes[0] if index.index is not None else 0
-        lines.append(f"    rows {index.offset[0]}..{index.offset[0] + rows - 1} in {info.relative_path}")
+    saved = meta.state_dict_metadata[name]  # global size, and the pieces (offsets, sizes) saved
+    lines = [f"{name} {tuple(saved.size)}: saved as"]
+    for piece in sorted(saved.chunks, key=lambda c: c.offsets[0]):
+        where = meta.storage_data[MetadataIndex(name, piece.offsets)]  # file, byte offset, length
+        first = piece.offsets[0]
+        lines.append(f"    rows {first}..{first + piece.sizes[0] - 1} in {where.relative_path}")
     lo, here = 0, []
     for r, n in enumerate(all_rows):
         here.append(f"rank {r} rows {lo}..{lo + n - 1}")
