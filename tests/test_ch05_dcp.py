@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import load_script, python_cmd, run, torchrun_cmd
+from conftest import load_script, run, torchrun_cmd
 
 SCRIPT = "05-collectives/sharded_checkpoint.py"
 ckpt = load_script(SCRIPT)
@@ -137,11 +137,13 @@ def test_a_deleted_shard_is_refused_by_the_manifest(saved, tmp_path):
     (["--load", "{tmp}"], "is not a sharded checkpoint"),
     (["--load", "{run}", "--model-preset", "small"], "was saved with --model-preset tiny, this run has small"),
 ])
-def test_bad_input_stops_before_any_work(saved, tmp_path, flags, message):
-    flags = [f.format(tmp=tmp_path, run=saved[0], step=STEP) for f in flags]
-    proc = run(python_cmd(SCRIPT, "--save-dir", tmp_path / "out", *flags), check=False, timeout=60)
-    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1 and message in proc.stderr, proc.stderr
+def test_bad_input_stops_before_any_work(saved, tmp_path, capsys, flags, message):
+    """The checks run inside parse_args, before torchrun's variables are even looked at."""
+    flags = [f.format(tmp=tmp_path, run=saved[0]) for f in flags]
+    with pytest.raises(SystemExit) as stop:
+        ckpt.parse_args(["--save-dir", str(tmp_path / "out"), *flags])
+    out, err = capsys.readouterr()
+    assert stop.value.code == 2 and out == "" and len(err.splitlines()) == 1 and message in err, err
     assert not (tmp_path / "out").exists()
 
 
