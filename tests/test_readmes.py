@@ -31,6 +31,8 @@ SCRIPT_OVERRIDES = {
     "collectives_demo.py": [],
     "sharded_from_scratch.py": ["--model-preset", "tiny", "--seq-length", "64", "--batch-size", "4",
                                 "--steps", "3", "--timing-warmup", "1"],
+    "sharded_checkpoint.py": ["--model-preset", "tiny", "--seq-length", "32", "--batch-size", "2",
+                              "--steps", "2"],
 }
 
 
