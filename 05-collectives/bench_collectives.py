@@ -32,11 +32,13 @@ import torch.distributed as dist
 
 # Runnable from the repo root or from inside this folder, installed or not.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.cli import (UsageError, comma_list, non_negative_int, one_of, positive_int,  # noqa: E402
-                        script_parser)
-from common.distributed import destroy_process_group, start_demo  # noqa: E402
-from common.metrics import device_name, environment_info, markdown_table, write_json  # noqa: E402
+from common.cli import comma_list, non_negative_int, one_of, positive_int, script_parser  # noqa: E402
+from common.distributed import gc_and_destroy_process_group, start_demo  # noqa: E402
+from common.environment import device_name, environment_info  # noqa: E402
+from common.errors import UsageError  # noqa: E402
+from common.jsonfiles import write_json  # noqa: E402
 from common.runfolder import claim_run_folder  # noqa: E402
+from common.tables import markdown_table  # noqa: E402
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
@@ -273,7 +275,7 @@ def main():
                  f"{backend}, {world} ranks, {machine}, {args.dtype}")
         print(f"\noutputs in {run_dir}", flush=True)
     dist.barrier()  # nobody leaves while rank 0 still writes
-    destroy_process_group()
+    gc_and_destroy_process_group()
 
 
 if __name__ == "__main__":

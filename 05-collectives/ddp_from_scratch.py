@@ -26,11 +26,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.cli import comma_list, non_negative_int, positive_float, positive_int, script_parser  # noqa: E402
 from common.data import IGNORE_INDEX, fixed_batches  # noqa: E402
-from common.distributed import DDP_NO_BUFFER_SYNC, destroy_process_group, start_demo  # noqa: E402
-from common.metrics import device_name, environment_info, markdown_table, write_json  # noqa: E402
+from common.distributed import DDP_NO_BUFFER_SYNC, gc_and_destroy_process_group, start_demo  # noqa: E402
+from common.environment import device_name, environment_info  # noqa: E402
+from common.jsonfiles import write_json  # noqa: E402
 from common.model import LlamaForCausalLM, get_config, num_parameters  # noqa: E402
 from common.proof import max_difference_to_rank0, max_relative_difference, worst_over_ranks  # noqa: E402
 from common.runfolder import claim_run_folder  # noqa: E402
+from common.tables import markdown_table  # noqa: E402
 from common.training import build_optimizer  # noqa: E402
 
 MODES = ("naive", "bucketed", "overlap", "ddp")
@@ -198,8 +200,7 @@ class Replica:
             self.forward_model = self.model
             self.sync = {"naive": lambda: NaiveAllReduce(self.model, world),
                          "bucketed": lambda: BucketedAllReduce(self.model, world, args.bucket_mb, device),
-                         "overlap": lambda: OverlappedAllReduce(self.model, world, args.bucket_mb, device),
-                         }[mode]()
+                         "overlap": lambda: OverlappedAllReduce(self.model, world, args.bucket_mb, device)}[mode]()
         if max_difference_to_rank0(self.model) != 0.0:
             raise RuntimeError(f"{mode}: replicas differ after the initial broadcast")
         # the chapters' AdamW (not fused: float64 in the proof)
@@ -329,10 +330,9 @@ def main():
         print(f"\n{results_table(results, proof)}\n\nmedians of the steps after the first "
               f"{min(args.timing_warmup, args.steps - 1)}", flush=True)
         write_json(run_dir / "ddp_from_scratch.json", {
-            **vars(args), "world_size": world, "backend": group.backend,
-            "device_name": device_name(group.device), "num_params": n_params,
-            "tolerance": tolerance, "passed": not failures, "failures": failures,
-            "modes": {m: {**r, **proof[m]} for m, r in results.items()},
+            **vars(args), "world_size": world, "backend": group.backend, "num_params": n_params,
+            "device_name": device_name(group.device), "tolerance": tolerance, "passed": not failures,
+            "failures": failures, "modes": {m: {**r, **proof[m]} for m, r in results.items()},
             "environment": environment_info()})
         if failures:
             print("FAILED: " + "; ".join(failures), file=sys.stderr, flush=True)
@@ -342,7 +342,7 @@ def main():
                   + ("bit for bit" if worst == 0.0 else f"to rounding ({worst:.2g} <= {tolerance:g})"))
         print(f"outputs in {run_dir}", flush=True)
     dist.barrier()  # nobody leaves while rank 0 still writes
-    destroy_process_group()
+    gc_and_destroy_process_group()
     return 1 if failures else 0
 
 

@@ -27,8 +27,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.utils.data import Sampler
 
-from .cli import fail
 from .distributed import first_error
+from .errors import fail
 from .durable import (dir_size_mb, disk_full_message, fsync_dir, fsync_write, is_disk_full, one_line,
                       verify_manifest)
 

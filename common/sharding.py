@@ -24,7 +24,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .metrics import device_name, environment_info, markdown_table, write_json
+from .environment import device_name, environment_info
+from .jsonfiles import write_json
+from .tables import markdown_table
 
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (the old names warn).
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

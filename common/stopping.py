@@ -1,9 +1,5 @@
-"""Stopping cleanly: Ctrl-C, a scheduler's SIGTERM, and a launcher that vanished.
+"""Stopping cleanly (chapter 04): Ctrl-C and a scheduler's SIGTERM.
 
-- `run_main(main)`: Ctrl-C ends a chapter with one line (exit 130), and a peer or network
-  that stops answering with one line per process, not a traceback from every rank.
-- `exit_with_launcher()`: under torchrun, ask the kernel to send us SIGTERM when our
-  launcher (torchrun's agent, our parent) dies, so no worker trains on as an orphan.
 - `crash_once`: chapter 04's fault injection.
 - `StopRequest`: chapter 04's handlers for SIGINT/SIGTERM that only take note; the
   training loop asks `agreed()` after every step, and all ranks stop at the same step.
@@ -11,7 +7,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import os
 import signal
@@ -20,37 +15,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def run_main(main):
-    """main(), with Ctrl-C as one line, and a lost peer or network as one line per process
-    (common.net_errors) instead of a traceback on every rank."""
-    from .net_errors import explain_peer_failures
-
-    try:
-        with explain_peer_failures():
-            return main()
-    except KeyboardInterrupt:
-        if int(os.environ.get("RANK") or 0) == 0:
-            print("\ninterrupted (Ctrl-C); nothing after the last completed step was saved",
-                  file=sys.stderr, flush=True)
-        os._exit(130)  # no teardown: peers may be gone, and waiting for them would hang
-
-
-def exit_with_launcher():
-    """Linux only (elsewhere a no-op): SIGTERM to this process when its parent dies. If
-    the parent is already gone (we were orphaned before asking), exit now."""
-    if "LOCAL_RANK" not in os.environ or not sys.platform.startswith("linux"):
-        return
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() == 1:
-        sys.exit("error: the launcher (torchrun) is gone; stopping")
-
 
 class StopRequest:
     """SIGINT (Ctrl-C) and SIGTERM (schedulers, torchrun passing one on) set a flag
