@@ -88,7 +88,7 @@ def worker(rank, port, root, results):
 
 
 def test_rank_0_decides_and_a_failed_candidate_changes_nothing(tmp_path, monkeypatch):
-    monkeypatch.setattr("common.cli.time.sleep", lambda s: None)
+    monkeypatch.setattr("common.errors.time.sleep", lambda s: None)
     make_checkpoint(tmp_path / "step-1", 1.0, {"lr": 1.0})
     make_checkpoint(tmp_path / "step-2", 2.0, {"lr": 1.0})
     results = mp.Manager().dict()
