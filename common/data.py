@@ -12,7 +12,7 @@ The tokenizer is a byte-level BPE trained with `tokenizers` on the corpus and ca
 JSON; the tokenized corpus is cached with `save_to_disk`. Both are keyed by the corpus's
 identity, so the second run of any chapter starts in seconds.
 
-Everything raises `DataError` with a one-line message; the chapter scripts turn it into
+Everything raises `DataError` with a one-line message; `local_rank0_first` turns it into
 exit status 2.
 """
 
