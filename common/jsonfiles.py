@@ -8,6 +8,7 @@ import json
 import os
 from pathlib import Path
 
+
 class MetricsWriter:
     """Appends one JSON line per logged step; line-buffered so a crash loses nothing."""
 

@@ -1,4 +1,7 @@
-"""The peak FLOP/s that MFU is measured against, on this machine (`common.peak_flops`).
+"""The peak FLOP/s that MFU is measured against, on this machine: a known GPU's datasheet
+figure, else a measured one (once, then cached).
+
+The command line of `common.peak_flops`:
 
     python -m common.peak               # this machine's peak (measured once, then cached)
     python -m common.peak --remeasure   # measure again and overwrite the cached value

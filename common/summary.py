@@ -17,6 +17,7 @@ from .peak_flops import device_peak, implausible_mfu_note, peak_label
 from .tables import format_flops, markdown_table
 from .timing import PHASES, StepStats
 
+
 def build_summary(*, chapter: str, args, world_size: int, device, dtype: str,
                   num_params: int, flops_per_token: float, stats: StepStats,
                   tokens_per_step: int, final_loss: float | None, val_loss: float | None,
