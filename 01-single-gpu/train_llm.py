@@ -22,12 +22,12 @@ from torch.utils.data import DataLoader, DistributedSampler
 # Runnable from the repo root or from inside this folder, installed or not.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.cli import base_parser, positive_int, setup_logging  # noqa: E402
-from common.data import IGNORE_INDEX, build_datasets, check_enough_samples, dataset_info, prepare  # noqa: E402
+from common.data import IGNORE_INDEX, build_datasets, check_enough_samples, dataset_info, local_rank0_first  # noqa: E402
+from common.environment import environment_info, exit_with_launcher, set_tf32, share_cpu_threads  # noqa: E402
+from common.errors import run_main  # noqa: E402
 from common.masks import build_attention_mask  # noqa: E402
-from common.metrics import environment_info  # noqa: E402
 from common.model import LlamaForCausalLM, describe, flops_per_token, get_config, num_parameters  # noqa: E402
 from common.runfolder import claim_run_folder  # noqa: E402
-from common.stopping import run_main  # noqa: E402
 from common.tracker import Tracker  # noqa: E402
 from common.training import build_optimizer, evaluate, lr_lambda, sample  # noqa: E402
 
@@ -43,7 +43,8 @@ def parse_args(argv=None):
 
 
 def setup(args):
-    """The device, the dtype the math runs in, and the seeds."""
+    """The device, the dtype the math runs in, the CPU threads, and the seeds."""
+    exit_with_launcher()  # under torchrun: stop (SIGTERM) if torchrun dies, never train as an orphan
     if args.device == "auto":
         device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     else:
@@ -52,14 +53,14 @@ def setup(args):
             device = torch.device("cuda:0")  # a plain "cuda": the first visible GPU
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls on tensor cores
-        torch.backends.cudnn.allow_tf32 = True
+        set_tf32(True)  # fp32 matmuls on tensor cores (TF32: 10-bit mantissa, much faster)
     dtype = args.dtype if args.dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
     # bf16 autocast: matmuls in bf16, weights and optimizer state stay fp32
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bf16" else nullcontext()
+    threads = share_cpu_threads()  # like for like: the same CPU threads per machine (a collective)
     random.seed(args.seed)
     torch.manual_seed(args.seed)  # seeds every device; the model init depends on it
-    return device, dtype, autocast
+    return device, dtype, autocast, threads
 
 
 def load_data(args, device):
@@ -71,7 +72,7 @@ def load_data(args, device):
                               cache_dir=args.cache_dir)
         check_enough_samples(data.train, args.batch_size * args.grad_accum)
         return data
-    data = prepare(build)  # a data problem stops the run here, with one line
+    data = local_rank0_first(build)  # a data problem stops the run here, with one line
     # A fresh shuffle every epoch (seed + epoch). DistributedSampler with one replica is
     # just that shuffle; chapter 03's ranks split the very same order.
     sampler = DistributedSampler(data.train, num_replicas=1, rank=0,
@@ -95,7 +96,7 @@ def compute_loss(model, x, y, attn_mask):
 def main():
     # ---- arguments, device, environment --------------------------------------------
     args = parse_args()
-    device, dtype, autocast = setup(args)
+    device, dtype, autocast, threads = setup(args)
     log = setup_logging()
     log.info("environment: %s", json.dumps(environment_info()))
     log.info("arguments: %s", json.dumps(vars(args)))
@@ -127,7 +128,11 @@ def main():
     # ---- outputs (created only now: bad input above leaves nothing behind) ---------
     run_dir = claim_run_folder(Path(args.save_dir) / args.experiment_name)  # ours alone
     # timing, progress bar, metrics.jsonl, summary.json and the final table
-    tracker = Tracker(CHAPTER, run_dir, device, total_steps, tokens_per_step, log)
+    tracker = Tracker(CHAPTER, run_dir, device, total_steps, tokens_per_step, log, threads=threads,
+                      args=args, dtype=dtype, num_params=n_params,
+                      flops_per_token=flops_per_token(config, n_params, args.seq_length),
+                      extra={"global_batch_size": global_batch, "grad_accum": args.grad_accum,
+                             "data": dataset_info(data)})
 
     # ---- the training loop ---------------------------------------------------------
     step = 0
@@ -171,17 +176,12 @@ def main():
     tracker.close()
 
     # ---- validation, sample, weights, summary --------------------------------------
-    val_loss, val_batches = evaluate(model, val_loader, device, autocast, args.val_batches,
-                                     data.pad_id, args.padded)
+    val_loss, val_batches = evaluate(model, val_loader, data, device, autocast, args.val_batches)
     log.info("validation loss %s over %d batches",
              f"{val_loss:.4f}" if val_loss is not None else "n/a", val_batches)
-    log.info("sample:\n%s", sample(model, data, device, autocast, args.seed, args.padded))
+    log.info("sample:\n%s", sample(model, data, device, autocast, args.seed))
     torch.save(model.state_dict(), run_dir / "model.pt")
-    tracker.finish(args=args, world_size=1, dtype=dtype, num_params=n_params,
-                   flops_per_token=flops_per_token(config, n_params, args.seq_length),
-                   final_loss=loss_sum.item(), val_loss=val_loss,
-                   extra={"global_batch_size": global_batch, "grad_accum": args.grad_accum,
-                          "data": dataset_info(data)})
+    tracker.finish(final_loss=loss_sum.item(), val_loss=val_loss)
 
 
 if __name__ == "__main__":

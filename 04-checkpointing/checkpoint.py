@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from common.checkpoint_folder import commit_on_rank0, prune_checkpoints, settings_mismatch, unchanged_on_error
-from common.cli import fail
+from common.errors import fail
 from common.durable import fsync_dir, fsync_write, one_line, verify_manifest, write_manifest
 
 FORMAT_VERSION = 3  # of state.pt; part of the settings, so another format is refused by name

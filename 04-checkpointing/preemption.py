@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from common.distributed import destroy_process_group
+from common.distributed import gc_and_destroy_process_group
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -77,5 +77,5 @@ class StopRequest:
                   f"checkpoint {Path(checkpoint).name} saved; {then} "
                   f"(with --experiment-name {Path(checkpoint).parent.parent.name})",
                   file=sys.stderr, flush=True)
-        destroy_process_group()
+        gc_and_destroy_process_group()
         sys.exit(128 + getattr(signal.Signals, self.signal or "SIGTERM"))

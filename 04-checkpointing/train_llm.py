@@ -33,15 +33,15 @@ from checkpoint import (FORMAT_VERSION, ResumableSampler, TrainState, checkpoint
                         load_latest, save_checkpoint)
 from preemption import StopRequest, data_workers_apart  # noqa: E402
 from common.cli import base_parser, checkpoint_folder, non_negative_int, positive_int, setup_logging  # noqa: E402
-from common.data import IGNORE_INDEX, build_datasets, check_enough_samples, dataset_info, prepare  # noqa: E402
-from common.distributed import DDP_NO_BUFFER_SYNC, destroy_process_group, init_process_group_for_restarts  # noqa: E402
 from common.checkpoint_folder import run_settings  # noqa: E402
+from common.data import IGNORE_INDEX, build_datasets, check_enough_samples, dataset_info, local_rank0_first  # noqa: E402
+from common.distributed import DDP_NO_BUFFER_SYNC, gc_and_destroy_process_group, init_process_group_for_restarts  # noqa: E402
 from common.durable import atomic_write  # noqa: E402
+from common.environment import environment_info, exit_with_launcher, set_tf32, share_cpu_threads  # noqa: E402
+from common.errors import run_main  # noqa: E402
 from common.masks import build_attention_mask  # noqa: E402
-from common.metrics import environment_info  # noqa: E402
 from common.model import LlamaForCausalLM, describe, flops_per_token, get_config, num_parameters  # noqa: E402
 from common.runfolder import archive_run, claim_run_folder  # noqa: E402
-from common.stopping import run_main  # noqa: E402
 from common.tracker import Tracker  # noqa: E402
 from common.training import build_optimizer, evaluate, lr_lambda, sample  # noqa: E402
 
@@ -67,8 +67,9 @@ def parse_args(argv=None):
 
 def setup(args):
     """The process group (one process per device), this process's device, the dtype the
-    math runs in, and the seeds. torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR
-    and MASTER_PORT; plain `python` sets none of them: world size 1, no process group."""
+    math runs in, the CPU threads, and the seeds. torchrun sets RANK, LOCAL_RANK, WORLD_SIZE,
+    MASTER_ADDR and MASTER_PORT; plain `python` sets none: world size 1, no process group."""
+    exit_with_launcher()  # under torchrun: stop (SIGTERM) if torchrun dies, never train as an orphan
     use_cuda = torch.cuda.is_available() and args.device != "cpu"
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
@@ -79,14 +80,14 @@ def setup(args):
             "nccl" if use_cuda else "gloo",  # nccl for GPUs, gloo for CPUs
             timeout=timedelta(seconds=args.timeout), device_id=device if use_cuda else None)
     if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls on tensor cores
-        torch.backends.cudnn.allow_tf32 = True
+        set_tf32(True)  # fp32 matmuls on tensor cores (TF32: 10-bit mantissa, much faster)
     dtype = args.dtype if args.dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
     # bf16 autocast: matmuls in bf16, weights and optimizer state stay fp32
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bf16" else nullcontext()
+    threads = share_cpu_threads()  # like for like: the same CPU threads per machine (a collective)
     random.seed(args.seed)
     torch.manual_seed(args.seed)  # same seed on every rank: same initial weights
-    return device, dtype, autocast
+    return device, dtype, autocast, threads
 
 
 def load_data(args, device, rank, world_size):
@@ -100,7 +101,7 @@ def load_data(args, device, rank, world_size):
         return data
     # Local rank 0 of each machine builds the caches first, then the other ranks read
     # them; a data problem on any rank stops every rank here, with one line.
-    data = prepare(build)
+    data = local_rank0_first(build)
     # Each rank takes every world_size-th sample of one shared shuffle (seed + epoch),
     # so the ranks' batches together form exactly chapter 01's batch of world_size × B.
     # drop_last: no rank repeats samples to even out the split (the default pads so).
@@ -159,7 +160,7 @@ def crash_once(run_dir, step: int, crash_at_step: int | None, this_rank: bool):
 def main():
     # ---- arguments, device, environment --------------------------------------------
     args = parse_args()
-    device, dtype, autocast = setup(args)
+    device, dtype, autocast, threads = setup(args)
     distributed = dist.is_initialized()
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     log = setup_logging(rank)  # rank 0 informs; other ranks speak only on trouble
@@ -208,9 +209,15 @@ def main():
     if start_step >= total_steps:
         log.info("this run already finished (step %d of %d); nothing to do", start_step, total_steps)
         del model  # as at the end of main(): free DDP before its process group
-        return destroy_process_group()
+        return gc_and_destroy_process_group()
     # timing, progress bar, metrics.jsonl, summary.json and the final table (rank 0)
-    tracker = Tracker(CHAPTER, run_dir, device, total_steps, tokens_per_step, log, rank, start_step)
+    tracker = Tracker(CHAPTER, run_dir, device, total_steps, tokens_per_step, log, threads=threads,
+                      args=args, dtype=dtype, num_params=n_params, start_step=start_step,
+                      flops_per_token=flops_per_token(config, n_params, args.seq_length),
+                      extra={"global_batch_size": global_batch, "grad_accum": args.grad_accum,
+                             "data": dataset_info(data), "resumed_at_step": start_step,
+                             "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))},
+                      rank=rank, world_size=world_size, backend=dist.get_backend() if distributed else None)
 
     # ---- the training loop ---------------------------------------------------------
     step, stopped = start_step, None
@@ -291,24 +298,18 @@ def main():
     # ---- validation, sample, weights, summary --------------------------------------
     # Every rank evaluates its share of the validation batches on the bare module (a DDP
     # forward would prepare a gradient reduction); the replicas are identical.
-    val_loss, val_batches = evaluate(raw_model, val_loader, device, autocast,
-                                     math.ceil(args.val_batches / world_size), data.pad_id, args.padded)
+    val_loss, val_batches = evaluate(raw_model, val_loader, data, device, autocast,
+                                     math.ceil(args.val_batches / world_size))
     log.info("validation loss %s over %d batches",
              f"{val_loss:.4f}" if val_loss is not None else "n/a", val_batches)
-    log.info("sample:\n%s", sample(raw_model, data, device, autocast, args.seed, args.padded))
+    log.info("sample:\n%s", sample(raw_model, data, device, autocast, args.seed))
     if rank == 0:  # one writer; the bare module's weights load into a plain model
         atomic_write(run_dir / "model.pt", lambda f: torch.save(raw_model.state_dict(), f))
-    tracker.finish(args=args, world_size=world_size, dtype=dtype, num_params=n_params,
-                   flops_per_token=flops_per_token(config, n_params, args.seq_length),
-                   final_loss=loss_sum.item(), val_loss=val_loss, num_devices=world_size,
-                   backend=dist.get_backend() if distributed else None,
-                   extra={"global_batch_size": global_batch, "grad_accum": args.grad_accum,
-                          "data": dataset_info(data), "resumed_at_step": start_step,
-                          "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))})
+    tracker.finish(final_loss=loss_sum.item(), val_loss=val_loss)
     if distributed:
         dist.barrier()  # nobody leaves while rank 0 may still need the group
         del model  # DDP's reducer holds the group: free it first
-        destroy_process_group()
+        gc_and_destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -32,12 +32,14 @@ import torch.distributed as dist
 
 # Runnable from the repo root or from inside this folder, installed or not.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.cli import (UsageError, comma_list, non_negative_int, one_of, positive_int,  # noqa: E402
-                        script_parser)
-from common.distributed import destroy_process_group, first_error, start_demo  # noqa: E402
-from common.metrics import device_name, environment_info, markdown_table, write_json  # noqa: E402
+from common.cli import comma_list, non_negative_int, one_of, positive_int, script_parser  # noqa: E402
+from common.distributed import first_error, gc_and_destroy_process_group, start_demo  # noqa: E402
+from common.environment import device_name, environment_info  # noqa: E402
+from common.errors import UsageError  # noqa: E402
+from common.jsonfiles import write_json  # noqa: E402
 from common.proof import max_over_ranks  # noqa: E402
 from common.runfolder import claim_run_folder  # noqa: E402
+from common.tables import markdown_table  # noqa: E402
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
@@ -241,7 +243,7 @@ def main():
         if rank == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
         dist.barrier()  # rank 0 has said it before anyone leaves (torchrun ends the job then)
-        destroy_process_group()
+        gc_and_destroy_process_group()
         return 2
     # The run folder first: results are never lost to a folder that cannot be written.
     run_dir = claim_run_folder(Path(args.save_dir) / args.experiment_name, rank=rank)
@@ -289,7 +291,7 @@ def main():
                  f"{backend}, {world} ranks, {machine}, {args.dtype}")
         print(f"\noutputs in {run_dir}", flush=True)
     dist.barrier()  # nobody leaves while rank 0 still writes
-    destroy_process_group()
+    gc_and_destroy_process_group()
     return 0
 
 

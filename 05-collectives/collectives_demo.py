@@ -23,7 +23,7 @@ import torch.distributed as dist
 # Runnable from the repo root or from inside this folder, installed or not.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.cli import one_of, script_parser  # noqa: E402
-from common.distributed import destroy_process_group, start_demo  # noqa: E402
+from common.distributed import gc_and_destroy_process_group, start_demo  # noqa: E402
 
 OPS = ("all_reduce", "reduce", "broadcast", "all_gather", "gather", "scatter",
        "reduce_scatter", "all_to_all", "barrier")
@@ -334,7 +334,7 @@ def main():
     elif rank == 0:
         print(f"\nall {len(OPS) if args.op == 'all' else 1} collective(s) gave the expected "
               f"result on all {world} ranks", flush=True)
-    destroy_process_group()
+    gc_and_destroy_process_group()
     return 1 if demo.failures else 0
 
 

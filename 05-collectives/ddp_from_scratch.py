@@ -29,12 +29,14 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.cli import comma_list, non_negative_int, positive_float, positive_int, script_parser  # noqa: E402
 from common.data import IGNORE_INDEX, fixed_batches, show_progress  # noqa: E402
-from common.distributed import DDP_NO_BUFFER_SYNC, destroy_process_group, start_demo  # noqa: E402
-from common.metrics import device_name, environment_info, markdown_table, write_json  # noqa: E402
+from common.distributed import DDP_NO_BUFFER_SYNC, gc_and_destroy_process_group, start_demo  # noqa: E402
+from common.environment import device_name, environment_info  # noqa: E402
+from common.jsonfiles import write_json  # noqa: E402
 from common.model import LlamaForCausalLM, get_config, num_parameters  # noqa: E402
 from common.proof import (exact_kernels, max_difference_to_rank0, max_over_ranks,  # noqa: E402
                           max_relative_difference)
 from common.runfolder import claim_run_folder  # noqa: E402
+from common.tables import markdown_table  # noqa: E402
 from common.training import build_optimizer  # noqa: E402
 
 MODES = ("naive", "bucketed", "overlap", "ddp")
@@ -368,7 +370,7 @@ def main():
                   + ("bit for bit" if worst == 0.0 else f"to rounding ({worst:.2g} <= {tolerance:g})"))
         print(f"outputs in {run_dir}", flush=True)
     dist.barrier()  # nobody leaves while rank 0 still writes
-    destroy_process_group()
+    gc_and_destroy_process_group()
     return 1 if failures else 0
 
 

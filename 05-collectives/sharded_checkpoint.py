@@ -52,13 +52,14 @@ from torch.distributed.fsdp import fully_shard
 # Runnable from the repo root or from inside this folder, installed or not.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.checkpoint_folder import commit_on_rank0  # noqa: E402
-from common.cli import UsageError, fail, positive_int, script_parser  # noqa: E402
+from common.cli import positive_int, script_parser  # noqa: E402
 from common.data import IGNORE_INDEX, fixed_batches  # noqa: E402
-from common.distributed import destroy_process_group, first_error, start_demo  # noqa: E402
+from common.distributed import first_error, gc_and_destroy_process_group, start_demo  # noqa: E402
 from common.durable import (atomic_write, fsync_dir, fsync_write, one_line, read_manifest,  # noqa: E402
                             verify_manifest, write_manifest)
-from common.metrics import markdown_table  # noqa: E402
+from common.errors import UsageError, fail  # noqa: E402
 from common.model import LlamaForCausalLM, get_config  # noqa: E402
+from common.tables import markdown_table  # noqa: E402
 from common.training import build_optimizer  # noqa: E402
 
 FULL_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)  # the proof's view
@@ -116,7 +117,7 @@ def main():
     try:
         return run(args, demo)
     finally:
-        destroy_process_group()
+        gc_and_destroy_process_group()
 
 
 def say(demo, *lines):

@@ -30,9 +30,10 @@ from tqdm import tqdm
 
 # Runnable from the repo root or from inside this folder, installed or not.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.cli import UsageError, comma_list, non_negative_int, positive_int, script_parser  # noqa: E402
+from common.cli import comma_list, non_negative_int, positive_int, script_parser  # noqa: E402
 from common.data import IGNORE_INDEX, fixed_batches, show_progress  # noqa: E402
-from common.distributed import DDP_NO_BUFFER_SYNC, destroy_process_group, start_demo  # noqa: E402
+from common.distributed import DDP_NO_BUFFER_SYNC, gc_and_destroy_process_group, start_demo  # noqa: E402
+from common.errors import UsageError  # noqa: E402
 from common.model import LlamaForCausalLM, get_config, num_parameters  # noqa: E402
 from common import proof, sharding  # noqa: E402
 
@@ -271,7 +272,7 @@ def main():
     try:
         return run(args, demo)
     finally:
-        destroy_process_group()
+        gc_and_destroy_process_group()
 
 
 def steps(batches, what, demo):

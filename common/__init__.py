@@ -1,16 +1,24 @@
-"""Everything the chapters share that is not their lesson, one small module per part:
+"""Everything the chapters share that is not their lesson, one small module per part, in
+layers (no module imports one that imports it back):
 
 - `model`, `masks`, `data`: the Llama model, attention masks, corpus/tokenizer/datasets
-  (and `prepare`: local rank 0 of each machine builds the caches first).
-- `cli`: the shared flags, validated as they are parsed (one line, exit status 2).
+  (and `local_rank0_first`: local rank 0 of each machine builds the caches first).
+- `cli`: the shared flags, validated as they are parsed; `errors`: the one-line
+  failures (exit status 2) and `run_main`, around every chapter's main().
+- `environment`: device facts, and the setup every chapter's `setup()` shows (CPU
+  threads, TF32, stopping with torchrun).
 - `training`: optimizer, learning-rate schedule, validation, a text sample.
-- `tracker`: a training loop's timing, progress bar, metrics.jsonl, summary and table,
-  built on `metrics` (timers, summaries) and `peak` (the FLOP/s MFU is measured against).
-- `distributed`: process-group helpers (the restart-safe join, teardown, thread budget).
+- `tracker`: a training loop's bookkeeping, built on `timing` (phase timers, tokens/s),
+  `jsonfiles` (metrics.jsonl, atomic JSON), `summary` (summary.json, the throughput
+  table), `tables` (Markdown) and `peak_flops` (the FLOP/s MFU is measured against).
+- `distributed`: process-group helpers (the restart-safe join, teardown);
+  `net_errors`: network setups that cannot work, said in one line.
 - `runfolder`: one job per run folder (a lock), archives instead of deletion.
-- `resume`, `durable`, `stopping`: chapter 04's checkpoint plumbing (which checkpoint to
-  load, checksums, fsync, pruning) and stopping cleanly (signals, a vanished launcher).
-- `net_errors`, `two_hosts`: one-line network errors; two simulated hosts for tests.
+- `checkpoint_folder`, `durable`: the housekeeping around chapter 04's checkpoints
+  (committing on rank 0, pruning, the settings that define a run; checksums, fsync,
+  atomic writes). The lesson itself is in the chapter's folder.
 - `proof`, `sharding`: chapter 05's comparisons and sharding measurements.
-- `report`, `tour`, `bench_model`: comparing runs, every chapter in order, model speed.
+
+Command-line tools, which no library module imports: `report`, `tour`, `bench_model`,
+`peak` (`python -m common.X`), and `two_hosts` (two simulated hosts for tests).
 """

@@ -25,9 +25,10 @@ import torch
 import torch.nn.functional as F
 
 from .data import DEFAULT_VOCAB_SIZE
-from .metrics import device_name, format_flops, markdown_table
+from .environment import device_name
 from .model import PRESETS, LlamaForCausalLM, flops_per_token, get_config, num_parameters
-from .peak import Peak, device_peak, implausible_mfu_note, sync
+from .peak_flops import Peak, device_peak, implausible_mfu_note, sync
+from .tables import format_flops, markdown_table
 
 
 def loss_of(model, x, y, bf16: bool = False):

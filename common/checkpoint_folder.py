@@ -16,7 +16,7 @@ import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
-from .cli import fail
+from .errors import fail
 from .distributed import first_error
 from .durable import dir_size_mb, disk_full_message, is_disk_full
 

@@ -20,29 +20,13 @@ from pathlib import Path
 import torch
 
 from .data import DataError, check_dataset_name, load_tokenizer
+from .errors import UsageError, fail
 from .model import PRESETS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SAVE_DIR = REPO_ROOT / "outputs" if (REPO_ROOT / "pyproject.toml").exists() \
     else Path.cwd() / "outputs"
 DTYPES = ("auto", "fp32", "bf16")  # fp16 would also need a GradScaler: not this lesson
-
-
-class UsageError(Exception):
-    """Bad flags or an impossible configuration."""
-
-
-def fail(message: str, status: int = 2):
-    """One line on stderr and exit status 2. Under torchrun every rank usually sees the
-    same bad input: rank 0 says it at once. The other ranks wait a moment before they
-    speak and exit: torchrun stops a job as soon as one worker exits, so a rank that
-    left first could end rank 0 before it printed. If rank 0 did not fail (a rank's
-    own error), they speak for themselves after the wait."""
-    rank = int(os.environ.get("RANK") or 0)
-    if rank != 0:
-        time.sleep(3.0)
-    print(f"error: {'' if rank == 0 else f'[rank {rank}] '}{message}", file=sys.stderr, flush=True)
-    sys.exit(status)
 
 
 # ---- validators for `type=`: argparse reports their message as "argument --x: ..." ----

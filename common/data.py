@@ -12,7 +12,7 @@ The tokenizer is a byte-level BPE trained with `tokenizers` on the corpus and ca
 JSON; the tokenized corpus is cached with `save_to_disk`. Both are keyed by the corpus's
 identity, so the second run of any chapter starts in seconds.
 
-Everything raises `DataError` with a one-line message; the chapter scripts turn it into
+Everything raises `DataError` with a one-line message; `local_rank0_first` turns it into
 exit status 2.
 """
 
@@ -34,6 +34,10 @@ from urllib.parse import urlparse
 
 import numpy as np
 import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from .distributed import first_error, patient_group
+from .errors import fail
 
 PAD, BOT, EOT = "[PAD]", "[BOT]", "[EOT]"
 SPECIAL_TOKENS = [PAD, BOT, EOT]
@@ -451,15 +455,12 @@ __all__ = ["DataError", "Corpus", "Data", "PackedDataset", "PaddedDataset", "bui
            "train_tokenizer", "IGNORE_INDEX", "PAD", "BOT", "EOT", "SPECIAL_TOKENS"]
 
 
-def prepare(load, errors=(DataError,)):
+def local_rank0_first(load, errors=(DataError,)):
     """Run `load()` (it trains the tokenizer and tokenizes once, into the cache) and
     return its result; a DataError stops the run with one line and exit status 2.
     Under torchrun, local rank 0 of every machine goes first and fills its machine's
     cache, then the other ranks read it (machines need not share a disk), and an error
     on any rank stops every rank with that message instead of leaving peers waiting."""
-    from .cli import fail
-    from .distributed import first_error, patient_group
-
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     result, group = None, patient_group()  # waits for the data are not bounded by --timeout
     for turn in (0, 1):  # turn 0: local rank 0 of each machine; turn 1: the others
@@ -480,13 +481,11 @@ def fixed_batches(dataset_name: str, seq_len: int, batch_size: int, count: int, 
     """`count` packed training batches of this rank's shard of one shared shuffle (the
     DistributedSampler order of chapter 03), loaded onto `device` before any timing, for
     the chapter 05 scripts that run several methods on the very same data."""
-    from torch.utils.data import DataLoader, DistributedSampler
-
     def build():
         data = build_datasets(dataset_name, seq_len, packed=True)
         check_enough_samples(data.train, batch_size * world)
         return data
-    data = prepare(build)
+    data = local_rank0_first(build)
     sampler = DistributedSampler(data.train, num_replicas=world, rank=rank, shuffle=True,
                                  seed=seed, drop_last=True)
     loader = DataLoader(data.train, batch_size=batch_size, sampler=sampler, drop_last=True)

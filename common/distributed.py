@@ -4,7 +4,7 @@
   under the name this torch version knows.
 - `first_error`: every rank learns the first rank's error, so all stop together.
 - `init_process_group_for_restarts`: chapter 04's join, safe across torchrun restarts.
-- `destroy_process_group`: the teardown that avoids gloo's exit deadlock.
+- `gc_and_destroy_process_group`: the teardown that avoids gloo's exit deadlock.
 - `start_demo`: the process group of the chapter 05 scripts (one process per device).
 """
 
@@ -64,7 +64,7 @@ def init_process_group_for_restarts(backend: str, timeout: timedelta, **kwargs):
                             rank=rank, world_size=world_size, timeout=timeout, **kwargs)
 
 
-def destroy_process_group():
+def gc_and_destroy_process_group():
     """Collect garbage first (a DDP wrapper the caller just dropped holds the group in its
     reducer), then destroy the group. Left to interpreter exit, the two teardowns can
     deadlock in gloo."""
@@ -99,21 +99,3 @@ def start_demo(timeout_s: float) -> Demo:
         backend, device = "gloo", torch.device("cpu")
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
     return Demo(dist.get_rank(), dist.get_world_size(), device, backend)
-
-
-def share_cpu_threads() -> tuple[int, int]:
-    """The same CPU budget per machine in every chapter: each process gets the machine's
-    usable cores divided by the processes training on it (counted across the process
-    group, so two torchruns on one machine count as two). LLM_GUIDE_THREADS overrides.
-    Returns (threads per process, processes on this machine)."""
-    import socket
-
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    here = 1
-    if dist.is_available() and dist.is_initialized():
-        hosts = [None] * dist.get_world_size()
-        dist.all_gather_object(hosts, socket.gethostname())
-        here = hosts.count(socket.gethostname())
-    threads = int(os.environ.get("LLM_GUIDE_THREADS") or max(1, (cores or 1) // here))
-    torch.set_num_threads(threads)
-    return threads, here

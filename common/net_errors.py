@@ -5,22 +5,19 @@ setups that otherwise fail at the first connection, or wait there until a timeou
 rank 0's advertised address is a loopback or does not resolve (torchrun without
 --local-addr), or gloo would advertise a missing or loopback interface. It speaks on the
 machines that can tell; rank 0's machine cannot tell whether the other nodes share it,
-so there a wrong setting shows as "a peer stopped answering" after --timeout.
-
-`explain_peer_failures()` wraps a chapter's main(): a collective that times out or loses
-its peer ends the process with one line (exit 1) instead of a traceback on every rank.
+so there a wrong setting shows as "a peer stopped answering" after --timeout
+(`common.errors.explain_peer_failures`).
 """
 
 from __future__ import annotations
 
 import ipaddress
 import os
-import signal
 import socket
 import struct
 import sys
-import time
-from contextlib import contextmanager
+
+from .errors import fail_on_each_machine, reachable
 
 SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 
@@ -58,21 +55,6 @@ def _is_loopback(ip: str) -> bool:
     return ipaddress.ip_address(ip).is_loopback
 
 
-def _stop(message: str):
-    """One line per machine (local rank 0 speaks), exit status 2: a setup error."""
-    if int(os.environ.get("LOCAL_RANK") or 0) == 0:
-        print(f"error: {message}", file=sys.stderr, flush=True)
-    sys.exit(2)
-
-
-def _reachable(host: str, port: int, timeout: float = 2.0) -> bool:
-    try:
-        socket.create_connection((host, port), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
-
-
 def check_network(backend: str) -> None:
     """Under torchrun, with several nodes: stop with one line if this process cannot
     reach rank 0, or if gloo would give the other machines an address they cannot
@@ -86,17 +68,19 @@ def check_network(backend: str) -> None:
     try:
         master_ips = sorted({ai[4][0] for ai in socket.getaddrinfo(master, None, socket.AF_INET)})
     except socket.gaierror:
-        _stop(f"MASTER_ADDR={master}, the address rank 0's machine advertised, does not resolve "
-              f"on this machine; start torchrun on every machine with --local-addr=<that "
-              f"machine's IP address>, or make the name resolvable (DNS or /etc/hosts)")
+        fail_on_each_machine(
+            f"MASTER_ADDR={master}, the address rank 0's machine advertised, does not resolve "
+            f"on this machine; start torchrun on every machine with --local-addr=<that "
+            f"machine's IP address>, or make the name resolvable (DNS or /etc/hosts)")
     master_is_loopback = all(_is_loopback(ip) for ip in master_ips)
     # rank 0's store listens at MASTER_ADDR:MASTER_PORT before any worker starts; a
     # loopback address that does not answer is rank 0's name for itself, on another machine
-    if master_is_loopback and not _reachable(master, port):
-        _stop(f"MASTER_ADDR={master} ({master_ips[0]}) is a loopback address, so the other "
-              f"machines cannot reach rank 0: torchrun advertised its host name, which resolves "
-              f"to the loopback on that machine; start torchrun on every machine with "
-              f"--local-addr=<that machine's IP address>")
+    if master_is_loopback and not reachable(master, port):
+        fail_on_each_machine(
+            f"MASTER_ADDR={master} ({master_ips[0]}) is a loopback address, so the other "
+            f"machines cannot reach rank 0: torchrun advertised its host name, which resolves "
+            f"to the loopback on that machine; start torchrun on every machine with "
+            f"--local-addr=<that machine's IP address>")
     if backend != "gloo" or not sys.platform.startswith("linux"):
         return  # nccl: see NCCL_SOCKET_IFNAME in 03-ddp/README.md
     # On rank 0's own machine the other nodes may share it (then the loopback is fine);
@@ -111,13 +95,15 @@ def check_network(backend: str) -> None:
         for name in names.split(","):
             addr = interface_address(name)
             if addr is None:
-                _stop(f"GLOO_SOCKET_IFNAME={name}: this machine has no such interface with an "
-                      f"IPv4 address (it has: {have}); set {fix}, the interface that reaches "
-                      f"MASTER_ADDR={master}")
+                fail_on_each_machine(
+                    f"GLOO_SOCKET_IFNAME={name}: this machine has no such interface with an "
+                    f"IPv4 address (it has: {have}); set {fix}, the interface that reaches "
+                    f"MASTER_ADDR={master}")
             if _is_loopback(addr) and not on_rank0_machine:
-                _stop(f"GLOO_SOCKET_IFNAME={name} is the loopback ({addr}), which the other "
-                      f"machines cannot reach; set {fix}, the interface that reaches "
-                      f"MASTER_ADDR={master}")
+                fail_on_each_machine(
+                    f"GLOO_SOCKET_IFNAME={name} is the loopback ({addr}), which the other "
+                    f"machines cannot reach; set {fix}, the interface that reaches "
+                    f"MASTER_ADDR={master}")
         return
     if on_rank0_machine:
         return
@@ -129,71 +115,7 @@ def check_network(backend: str) -> None:
         addr = None
     if addr is None or _is_loopback(addr):
         where = f"resolves to the loopback {addr}" if addr else "does not resolve"
-        _stop(f"gloo would advertise this machine by its host name {host!r}, which {where}, so "
-              f"the other machines cannot reach it; set {fix}, the interface that reaches "
-              f"MASTER_ADDR={master}")
-
-
-# What a failed collective says (gloo, and the c10d store), and what it means.
-TIMED_OUT = ("timed out", "timeout")
-PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe",
-             "connection refused", "failed to recv, got 0 bytes")
-
-
-def _launcher_stuck() -> bool:
-    """True when rank 0's machine (MASTER_ADDR, where torchrun's rendezvous state lives
-    in a one-rendezvous-host setup) no longer answers a TCP connect. torchrun's agent on
-    this machine then waits on that store and does not return (torch 2.13, measured: still
-    blocked in the store's get after 90 s, with --rdzv-conf read_timeout=10), so nothing
-    would end it."""
-    if os.environ.get("TORCHELASTIC_RUN_ID") is None:
-        return False
-    return not _reachable(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
-
-
-def _stop_launcher(pid: int, grace: float = 1.0) -> None:
-    """SIGTERM torchrun's agent; blocked inside the store client it cannot run its
-    handler, so SIGKILL it after a grace period."""
-    os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        time.sleep(0.1)
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-    print(f"error: rank {os.environ.get('RANK', '0')}: stopping this machine's torchrun (pid {pid}), "
-          f"which waits on the unreachable rendezvous", file=sys.stderr, flush=True)
-    os.kill(pid, signal.SIGKILL)
-
-
-@contextmanager
-def explain_peer_failures():
-    """Around main(): a collective that times out (a peer or the network stopped
-    answering) or finds its peer gone ends this process with one line and exit status 1.
-    If the machine holding rank 0 is unreachable, this machine's torchrun is stopped too
-    (SIGTERM, then SIGKILL), since it would wait on that machine's store for minutes."""
-    try:
-        yield
-    except RuntimeError as e:  # gloo and store errors are RuntimeError subclasses
-        from torch.distributed import DistError
-        text = str(e).lower()
-        if "RANK" not in os.environ or not (isinstance(e, DistError) or "gloo" in text):
-            raise  # not a collective's error: the usual traceback
-        if any(k in text for k in TIMED_OUT):
-            what = "a peer stopped answering: a collective timed out (--timeout)"
-        elif any(k in text for k in PEER_GONE):
-            what = "a peer closed its connection: another rank failed first (its error is in its own log)"
-        else:
-            raise
-        first = str(e).strip().splitlines()[0]
-        first = first.split("] ", 1)[-1] if first.startswith("[") else first
-        rank = os.environ.get("RANK", "0")
-        stuck = _launcher_stuck()
-        hint = ("; check that every machine is up and the network between them works, then rerun "
-                "(chapter 04 resumes from its last checkpoint)")
-        print(f"error: rank {rank}: {what} ({first}){hint}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        if stuck:
-            _stop_launcher(os.getppid())
-        os._exit(1)  # no atexit teardown: it would talk to the peer that is gone
+        fail_on_each_machine(
+            f"gloo would advertise this machine by its host name {host!r}, which {where}, so "
+            f"the other machines cannot reach it; set {fix}, the interface that reaches "
+            f"MASTER_ADDR={master}")

@@ -1,10 +1,7 @@
-"""The peak FLOP/s that MFU is measured against, on every device.
+"""The peak FLOP/s that MFU is measured against, on this machine: a known GPU's datasheet
+figure, else a measured one (once, then cached).
 
-Where the device's datasheet is known (a few NVIDIA data-centre GPUs), its dense peak
-for the matmul precision in use; otherwise a measured one: the best FLOP/s of a short
-sweep of square matmuls in that precision, with the threads this process uses. A
-measurement is cached in the guide's cache folder, keyed by device, precision, torch
-version and (on CPU) thread count, so it runs once per machine and setup.
+The command line of `common.peak_flops`:
 
     python -m common.peak               # this machine's peak (measured once, then cached)
     python -m common.peak --remeasure   # measure again and overwrite the cached value
@@ -12,174 +9,16 @@ version and (on CPU) thread count, so it runs once per machine and setup.
 
 from __future__ import annotations
 
-import argparse
-import json
-import math
-import re
-import time
-from dataclasses import dataclass
-from pathlib import Path
-
 import torch
 
-from .data import default_cache_dir
-from .metrics import device_name, format_flops, peak_label, write_json
-
-# Dense (no structured sparsity) tensor-core peaks in TFLOP/s from NVIDIA's datasheets,
-# which print the sparse figure (twice the dense one) for bf16 and tf32. "fp32" is the
-# plain (non-tensor-core) fp32 rate. The first pattern that matches the device name wins,
-# so the NVL parts come before the plain names they contain.
-DATASHEET_TFLOPS: list[tuple[str, dict[str, float]]] = [
-    (r"\bH200 NVL\b", {"bf16": 835.0, "tf32": 417.5, "fp32": 60.0}),
-    (r"\bH200\b", {"bf16": 989.0, "tf32": 494.5, "fp32": 67.0}),       # SXM
-    (r"\bH100 NVL\b", {"bf16": 835.0, "tf32": 417.5, "fp32": 60.0}),
-    (r"\bH100 PCIe\b", {"bf16": 756.0, "tf32": 378.0, "fp32": 51.0}),
-    (r"\bH100 (SXM|80GB HBM3)", {"bf16": 989.0, "tf32": 494.5, "fp32": 67.0}),
-    (r"\bA100\b", {"bf16": 312.0, "tf32": 156.0, "fp32": 19.5}),      # SXM and PCIe
-    (r"\bA10\b", {"bf16": 125.0, "tf32": 62.5, "fp32": 31.2}),        # not A10G, A100
-    (r"\bL4\b", {"bf16": 121.0, "tf32": 60.0, "fp32": 30.3}),         # not L40, L40S
-]
-
-CACHE_FILE = "matmul_peak.json"
-
-
-@dataclass
-class Peak:
-    flops: float        # FLOP/s
-    precision: str      # "bf16", "tf32" or "fp32": what the run's matmuls use
-    source: str         # "datasheet" or "measured"
-
-    def label(self) -> str:
-        """e.g. '95.3 GFLOP/s (measured fp32 matmul peak)'."""
-        return peak_label(self.flops, self.precision, self.source)
-
-
-def matmul_precision(device: torch.device | str, dtype: str) -> str:
-    """What a run's matmuls compute in: bf16 under bf16 autocast; for fp32 on CUDA,
-    tf32 when PyTorch is allowed to use it (the chapters allow it), else fp32."""
-    if dtype == "bf16":
-        return "bf16"
-    if torch.device(device).type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
-        return "tf32"
-    return "fp32"
-
-
-def datasheet_peak(name: str, precision: str) -> float | None:
-    """The datasheet's dense peak FLOP/s of a known device, else None."""
-    for pattern, tflops in DATASHEET_TFLOPS:
-        if re.search(pattern, name):
-            return tflops[precision] * 1e12 if precision in tflops else None
-    return None
-
-
-def sync(device: torch.device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def best_matmul_flops(n: int, device: torch.device, precision: str, reps: int = 5,
-                      budget_s: float = 0.6) -> float:
-    """Best FLOP/s of an n×n by n×n matmul: one untimed warm-up, then up to `reps`
-    timed ones, stopping early once `budget_s` is spent."""
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    g = torch.Generator(device).manual_seed(0)
-    a = torch.randn(n, n, device=device, dtype=dtype, generator=g)
-    b = torch.randn(n, n, device=device, dtype=dtype, generator=g)
-    out = torch.empty(n, n, device=device, dtype=dtype)
-    torch.mm(a, b, out=out)
-    sync(device)
-    best, spent = math.inf, 0.0
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        torch.mm(a, b, out=out)
-        sync(device)
-        took = time.perf_counter() - t0
-        best, spent = min(best, took), spent + took
-        if spent > budget_s:
-            break
-    return 2 * n**3 / best
-
-
-def measure_matmul_peak(device: torch.device | str, precision: str) -> float:
-    """The device's dense matmul peak in `precision`, measured: the best over a few
-    sizes (small ones fit caches, large ones amortise overheads; the best wins)."""
-    device = torch.device(device)
-    sizes = (1024, 2048, 4096, 8192) if device.type == "cuda" else (512, 1024, 2048)
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    try:
-        torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
-        return max(best_matmul_flops(n, device, precision) for n in sizes)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
-
-
-def cache_key(name: str, precision: str, device_type: str) -> str:
-    """Device, precision, torch version, and on CPU the thread count: with several
-    processes per machine (torchrun) each one has fewer threads, so a lower peak."""
-    key = f"{name} | {precision} | torch {torch.__version__}"
-    if device_type == "cpu":
-        key += f" | {torch.get_num_threads()} threads"
-    return key
-
-
-def read_cache(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}  # absent or half-written by a crashed run: measure again
-
-
-def cache_path(cache_dir: str | Path | None = None) -> Path:
-    return Path(cache_dir or default_cache_dir()) / CACHE_FILE
-
-
-def cached_peak(device: torch.device, precision: str, cache_dir=None) -> float | None:
-    key = cache_key(device_name(device), precision, device.type)
-    return read_cache(cache_path(cache_dir)).get(key, {}).get("flops")
-
-
-def measured_peak(device: torch.device | str, precision: str, *, remeasure: bool = False,
-                  cache_dir: str | Path | None = None) -> float:
-    """The measured peak from the cache, measuring (and caching) it when absent or when
-    `remeasure` is set."""
-    device = torch.device(device)
-    flops = None if remeasure else cached_peak(device, precision, cache_dir)
-    if flops is not None:
-        return flops
-    path = cache_path(cache_dir)
-    key = cache_key(device_name(device), precision, device.type)
-    flops = measure_matmul_peak(device, precision)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # re-read: another process may have added its own key meanwhile
-    write_json(path, {**read_cache(path),
-                      key: {"flops": flops, "measured": time.strftime("%Y-%m-%d %H:%M:%S")}})
-    return flops
-
-
-def device_peak(device: torch.device | str, dtype: str, *,
-                cache_dir: str | Path | None = None) -> Peak:
-    """The peak MFU is measured against: the datasheet's where known, else measured."""
-    precision = matmul_precision(device, dtype)
-    flops = datasheet_peak(device_name(device), precision)
-    if flops is not None:
-        return Peak(flops, precision, "datasheet")
-    return Peak(measured_peak(device, precision, cache_dir=cache_dir), precision, "measured")
-
-
-def implausible_mfu_note(mfu: float, peak: Peak) -> str | None:
-    """A note when MFU exceeds 100%: a measured peak taken while other work loaded the
-    device is too low, and stays cached until re-measured."""
-    if mfu <= 1.0:
-        return None
-    return (f"MFU over 100%: the {peak.source} peak ({format_flops(peak.flops)}) is too low"
-            + (" (measured while the device was busy?): re-measure it with "
-               "`python -m common.peak --remeasure`" if peak.source == "measured" else ""))
+from .cli import Parser
+from .environment import device_name, set_tf32
+from .peak_flops import cache_path, cached_peak, datasheet_peak, matmul_precision, measured_peak
+from .tables import format_flops
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m common.peak",
-                                description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = Parser(prog="python -m common.peak", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda:N")
     p.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16"),
                    help="the run's dtype; auto: bf16 on CUDA, fp32 on CPU, as the chapters")
@@ -192,7 +31,7 @@ def main(argv=None):
         p.error(f"--device {args.device}: CUDA is not available here")
     dtype = ("bf16" if device.type == "cuda" else "fp32") if args.dtype == "auto" else args.dtype
     if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True  # as the chapters set it
+        set_tf32(True)  # as the chapters set it
     precision = matmul_precision(device, dtype)
     fresh = args.remeasure or cached_peak(device, precision) is None
     measured = measured_peak(device, precision, remeasure=args.remeasure)
@@ -204,6 +43,7 @@ def main(argv=None):
     print("datasheet peak: " + (format_flops(datasheet) if datasheet else "unknown for this device")
           + "; MFU is reported against the " + ("datasheet" if datasheet else "measured")
           + " peak")
+
 
 if __name__ == "__main__":
     main()

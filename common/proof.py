@@ -20,6 +20,8 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from .environment import set_tf32, tf32_enabled
+
 
 def max_over_ranks(value: float, device) -> float:
     """The largest of every rank's `value` (a collective: every rank calls it), sent as a
@@ -94,11 +96,11 @@ def exact_kernels():
     # read by cuBLAS when it starts; the proof runs first, so this is in time
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     before = (torch.are_deterministic_algorithms_enabled(),
-              torch.is_deterministic_algorithms_warn_only_enabled(), torch.backends.cuda.matmul.allow_tf32)
+              torch.is_deterministic_algorithms_warn_only_enabled(), tf32_enabled())
     torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.backends.cuda.matmul.allow_tf32 = False
+    set_tf32(False)
     try:
         yield
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
-        torch.backends.cuda.matmul.allow_tf32 = before[2]
+        set_tf32(before[2])

@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .cli import DEFAULT_SAVE_DIR, Parser
-from .metrics import PHASES, format_flops, markdown_table
+from .tables import format_flops, markdown_table
+from .timing import PHASES
 
 # Keys without which a summary cannot be placed in the table.
 REQUIRED_KEYS = ("chapter", "experiment_name", "launcher", "world_size", "num_devices",

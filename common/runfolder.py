@@ -15,8 +15,8 @@ import socket
 import time
 from pathlib import Path
 
-from .cli import fail
 from .distributed import first_error
+from .errors import fail
 
 OWNER_FILE = ".owner"
 _held = []  # lock files kept open, hence locked, until the process exits

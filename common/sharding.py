@@ -25,7 +25,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .metrics import device_name, environment_info, markdown_table, write_json
+from .environment import device_name, environment_info
+from .jsonfiles import write_json
+from .tables import markdown_table
 from .proof import max_over_ranks
 
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (the old names warn).

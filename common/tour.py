@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import report
-from .cli import DEFAULT_SAVE_DIR, REPO_ROOT, Parser, UsageError
-from .metrics import markdown_table
+from .cli import DEFAULT_SAVE_DIR, REPO_ROOT, Parser
+from .errors import UsageError
 from .model import PRESETS
+from .tables import markdown_table
 
 CHAPTERS = ("01-single-gpu", "02-data-parallel", "03-ddp", "04-checkpointing", "05-collectives")
 

@@ -1,13 +1,14 @@
 """The bookkeeping around a training loop, in one object a chapter calls per step and at
 the end: phase timing, the metrics window, the progress bar, `metrics.jsonl`,
 `summary.json` and the throughput table. Only rank 0 writes and shows anything; the
-other ranks time their steps all the same (their summary is never written). Under
-torchrun it also asks the kernel to stop this worker (SIGTERM) if torchrun dies.
+other ranks time their steps all the same (their summary is never written). It sets
+nothing up: threads, devices and signals are the chapter's `setup()`.
 
-    tracker = Tracker(CHAPTER, run_dir, device, total_steps, tokens_per_step, log, rank=rank)
+    tracker = Tracker(CHAPTER, run_dir, device, total_steps, tokens_per_step, log,
+                      threads=threads, args=args, dtype=dtype, ...)   # the run's fixed facts
     tracker.start_step();  with tracker.phase("forward"): ...;  tracker.end_step()
     tracker.log(step, loss=..., lr=...)        # on logging steps
-    tracker.finish(args=args, ...)             # summary.json + the table
+    tracker.finish(final_loss=..., val_loss=...)   # summary.json + the table
 """
 
 from __future__ import annotations
@@ -21,31 +22,28 @@ import torch
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from .cli import fail
 from .data import show_progress
-from .distributed import share_cpu_threads
 from .durable import dir_size_mb
-from .metrics import (
-    MetricsWriter,
-    PhaseTimer,
-    StepStats,
-    build_summary,
-    comparison_warnings,
-    find_baseline,
-    read_metrics,
-    throughput_table,
-    write_json,
-    write_jsonl,
-)
-from .stopping import exit_with_launcher
+from .errors import fail
+from .jsonfiles import MetricsWriter, read_metrics, write_json, write_jsonl
+from .summary import build_summary, comparison_warnings, find_baseline, throughput_table
+from .timing import PhaseTimer, StepStats
 
 
 class Tracker:
-    def __init__(self, chapter: str, run_dir: Path, device, total_steps: int,
-                 tokens_per_step: int, log, rank: int = 0, start_step: int = 0):
-        exit_with_launcher()  # under torchrun: stop (SIGTERM) if torchrun itself dies
-        # like for like: every chapter gets the same CPU threads per machine (a collective)
-        self.threads, self.processes_here = share_cpu_threads()
+    def __init__(self, chapter: str, run_dir: Path, device, total_steps: int, tokens_per_step: int,
+                 log, *, threads: tuple[int, int], args, dtype: str, num_params: int,
+                 flops_per_token: float, extra: dict | None = None, rank: int = 0,
+                 world_size: int = 1, num_devices: int | None = None, backend: str | None = None,
+                 start_step: int = 0):
+        """`threads`: (threads per process, processes on this machine), as
+        `common.environment.share_cpu_threads` set them. The keywords from `args` on are
+        the run's fixed facts for summary.json (`common.summary.build_summary`);
+        `num_devices` defaults to one per process."""
+        self.threads = threads
+        self.facts = dict(args=args, dtype=dtype, num_params=num_params, flops_per_token=flops_per_token,
+                          extra=extra, world_size=world_size, num_devices=num_devices or world_size,
+                          backend=backend)
         self.load_max = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
         self.chapter, self.run_dir, self.device, self.logger = chapter, Path(run_dir), device, log
         self.total_steps, self.tokens_per_step, self.rank = total_steps, tokens_per_step, rank
@@ -133,21 +131,22 @@ class Tracker:
             self.writer.close()
             self.writer = None
 
-    def finish(self, **summary_fields) -> dict | None:
+    def finish(self, *, final_loss: float | None, val_loss: float | None) -> dict | None:
         """Rank 0: summary.json and the throughput table (with the scaling efficiency
         against a matching chapter 01 run when `args` has a --baseline flag)."""
         self.close()
         if self.rank != 0:
             return None
-        args = summary_fields["args"]
+        args = self.facts["args"]
         summary = build_summary(chapter=self.chapter, device=self.device, stats=self.stats,
-                                tokens_per_step=self.tokens_per_step,
-                                wall_time_s=time.perf_counter() - self.t_start, **summary_fields)
+                                tokens_per_step=self.tokens_per_step, final_loss=final_loss,
+                                val_loss=val_loss, wall_time_s=time.perf_counter() - self.t_start,
+                                **self.facts)
         if torch.device(self.device).type == "cuda" and summary["num_devices"] > 1 \
                 and summary["world_size"] == 1:  # one process, several GPUs (DataParallel)
             summary["peak_memory_per_device_mb"] = [torch.cuda.max_memory_allocated(i) / 2**20
                                                     for i in range(torch.cuda.device_count())]
-        summary.update(threads_per_process=self.threads, processes_per_machine=self.processes_here,
+        summary.update(threads_per_process=self.threads[0], processes_per_machine=self.threads[1],
                        cpu_cores=os.cpu_count(), load_avg_max=self.load_max,
                        first_step_s=self.first_step_s, compiled=bool(getattr(args, "compile", False)))
         if summary["compiled"] and self.first_step_s is not None:  # not in tokens/s (warm-up)

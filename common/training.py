@@ -43,15 +43,16 @@ def lr_lambda(warmup_steps: int, total_steps: int, min_ratio: float = 0.1):
 
 
 @torch.no_grad()
-def evaluate(model, loader, device, autocast, max_batches: int, pad_id: int, padded: bool):
+def evaluate(model, loader, data, device, autocast, max_batches: int):
     """(mean loss per target token, batches evaluated) over at most max_batches of the
-    loader's batches (a small validation set may hold fewer). Under a process group every
-    rank evaluates its own loader and the token-weighted sums are added up (a collective)."""
+    loader's batches (a small validation set may hold fewer); `data` (a `common.data.Data`)
+    says whether they are padded. Under a process group every rank evaluates its own
+    loader and the token-weighted sums are added up (a collective)."""
     model.eval()
     total, count, batches = 0.0, 0, 0
     for x, y in itertools.islice(loader, max_batches):
         x, y = x.to(device), y.to(device)
-        mask = build_attention_mask(x, pad_id) if padded else None
+        mask = None if data.packed else build_attention_mask(x, data.pad_id)
         with autocast:
             logits = model(x, mask)
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), ignore_index=IGNORE_INDEX)
@@ -66,10 +67,11 @@ def evaluate(model, loader, device, autocast, max_batches: int, pad_id: int, pad
 
 
 @torch.no_grad()
-def sample(model, data, device, autocast, seed: int, padded: bool, prompt: str = "def ",
+def sample(model, data, device, autocast, seed: int, prompt: str = "def ",
            max_new_tokens: int = 48) -> str:
-    """What the model writes after `prompt` (seeded: the same text in every run)."""
-    ids = ([data.bot_id] if padded else []) + data.tokenizer.encode(prompt).ids
+    """What the model writes after `prompt` (seeded: the same text in every run); a padded
+    model's documents start with the BOT token."""
+    ids = ([] if data.packed else [data.bot_id]) + data.tokenizer.encode(prompt).ids
     model.eval()
     with autocast:
         out = model.generate(torch.tensor([ids], device=device), max_new_tokens=max_new_tokens,

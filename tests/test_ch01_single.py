@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from common.metrics import throughput_table
 from common.model import LlamaForCausalLM, get_config
+from common.summary import throughput_table
 from conftest import REPO, TINY, python_cmd, read_json, read_jsonl, run, torchrun_cmd
 
 SCRIPT = "01-single-gpu/train_llm.py"

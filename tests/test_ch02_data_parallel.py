@@ -36,7 +36,8 @@ def test_without_gpus_it_trains_the_plain_module_and_says_so(runs, name):
     summary = read_json(run_dir / "summary.json")
     log, table = proc.stdout.split("| metric", 1)
     assert f"WARNING {NOTE}" in log
-    assert summary["notes"] == [NOTE]
+    # a machine busy with other work adds its own note (the Tracker's load check)
+    assert [n for n in summary["notes"] if not n.startswith("the machine was busy")] == [NOTE]
     assert "| note " in table and NOTE in table
     assert summary["num_devices"] == 1
     assert summary["args"]["loss_in_module"] is (name == "dp-loss-in-module")

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from conftest import load_script
 
 from common import proof, sharding  # noqa: E402
+from common.environment import tf32_enabled  # noqa: E402
 from common.distributed import Demo  # noqa: E402
 
 demo_script = load_script("05-collectives/collectives_demo.py")
@@ -175,7 +176,7 @@ def eight_fake_gpus(monkeypatch):
 
 def test_bench_checks_its_own_gpu_after_set_device(eight_fake_gpus, monkeypatch, tmp_path, capsys):
     calls = eight_fake_gpus
-    tf32 = torch.backends.cuda.matmul.allow_tf32
+    tf32 = tf32_enabled()
     # 8 GiB messages need 16 GiB on each GPU: GPU 3 has 10 free. (GPU 0's 70 GiB times
     # 8 GPUs would have let it through.)
     monkeypatch.setattr(sys, "argv", ["bench_collectives.py", "--max-bytes", str(8 * 2**30),
@@ -188,7 +189,7 @@ def test_bench_checks_its_own_gpu_after_set_device(eight_fake_gpus, monkeypatch,
                    f"10.0 GiB are available; lower --max-bytes"], err
     assert not (tmp_path / "out").exists()
     # 3. start_demo leaves the fast fp32 kernels alone: the timed steps may use TF32
-    assert torch.backends.cuda.matmul.allow_tf32 == tf32 and not torch.are_deterministic_algorithms_enabled()
+    assert tf32_enabled() == tf32 and not torch.are_deterministic_algorithms_enabled()
 
 
 def test_bench_memory_on_a_cpu_counts_every_rank_of_the_machine():
@@ -201,10 +202,10 @@ def test_bench_memory_on_a_cpu_counts_every_rank_of_the_machine():
 # ------------------------------------ 3. prove in fp64 with exact kernels, time without
 
 def test_exact_kernels_is_on_only_while_the_proof_runs():
-    tf32, det = torch.backends.cuda.matmul.allow_tf32, torch.are_deterministic_algorithms_enabled()
+    tf32, det = tf32_enabled(), torch.are_deterministic_algorithms_enabled()
     with proof.exact_kernels():
-        assert torch.are_deterministic_algorithms_enabled() and not torch.backends.cuda.matmul.allow_tf32
-    assert torch.backends.cuda.matmul.allow_tf32 == tf32 and torch.are_deterministic_algorithms_enabled() == det
+        assert torch.are_deterministic_algorithms_enabled() and not tf32_enabled()
+    assert tf32_enabled() == tf32 and torch.are_deterministic_algorithms_enabled() == det
 
 
 def test_sharded_proves_in_fp64_and_times_in_the_training_dtype(group, monkeypatch, tmp_path):
@@ -218,7 +219,7 @@ def test_sharded_proves_in_fp64_and_times_in_the_training_dtype(group, monkeypat
 
     def recording_step(self, x, y):
         seen.append((self.mode, next(self.model.parameters()).dtype,
-                     torch.are_deterministic_algorithms_enabled(), torch.backends.cuda.matmul.allow_tf32))
+                     torch.are_deterministic_algorithms_enabled(), tf32_enabled()))
         return step(self, x, y)
     monkeypatch.setattr(sharded.Trainer, "step", recording_step)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)  # what a GPU run starts with

@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from common.cli import UsageError, base_parser, check_args, fail, script_parser
+from common.cli import base_parser, check_args, script_parser
+from common.errors import UsageError, fail
 from conftest import REPO
 
 
@@ -127,7 +128,7 @@ def test_other_ranks_wait_then_speak_for_themselves(capsys, monkeypatch):
     the job when the first worker exits), then says its own line, tagged."""
     monkeypatch.setenv("RANK", "1")
     sleeps = []
-    monkeypatch.setattr("common.cli.time.sleep", sleeps.append)
+    monkeypatch.setattr("common.errors.time.sleep", sleeps.append)
     with pytest.raises(SystemExit):
         fail("same message")
     assert sleeps == [3.0]

@@ -8,11 +8,15 @@ import json
 import pytest
 import torch
 
-import common.metrics as metrics
-from common.metrics import (PHASES, MetricsWriter, PhaseTimer, StepStats, build_summary,
-                            format_flops, peak_memory_mb, read_metrics, throughput_table,
-                            write_json)
-from common.peak import Peak
+import common.jsonfiles as jsonfiles
+import common.summary as summary
+import common.timing as timing
+from common.environment import peak_memory_mb
+from common.jsonfiles import MetricsWriter, read_metrics, write_json
+from common.peak_flops import Peak
+from common.summary import build_summary, throughput_table
+from common.tables import format_flops
+from common.timing import PHASES, PhaseTimer, StepStats
 
 SUMMARY_KEYS = {"chapter", "world_size", "device_name", "dtype", "preset", "num_params",
                 "tokens_per_s", "tokens_per_s_per_device", "step_wall_s", "step_time_s",
@@ -23,7 +27,7 @@ SUMMARY_KEYS = {"chapter", "world_size", "device_name", "dtype", "preset", "num_
 def fake_clock(monkeypatch, ticks):
     """time.perf_counter returns these values in turn."""
     it = iter(ticks)
-    monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(it))
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: next(it))
 
 
 class FakeDeviceClock:
@@ -199,7 +203,7 @@ def test_write_json_is_atomic(tmp_path, monkeypatch):
     def crash(*a):
         raise OSError("killed before the rename")
 
-    monkeypatch.setattr(metrics.os, "replace", crash)
+    monkeypatch.setattr(jsonfiles.os, "replace", crash)
     with pytest.raises(OSError):
         write_json(path, {"a": 2})
     assert json.loads(path.read_text()) == {"a": 1}   # the old file is intact
@@ -208,8 +212,8 @@ def test_write_json_is_atomic(tmp_path, monkeypatch):
 def summary_for(device_name: str | None = None, monkeypatch=None, peak=None,
                 dtype: str = "fp32") -> dict:
     if device_name:
-        monkeypatch.setattr(metrics, "device_name", lambda d: device_name)
-        monkeypatch.setattr("common.peak.device_name", lambda d: device_name)
+        monkeypatch.setattr(summary, "device_name", lambda d: device_name)
+        monkeypatch.setattr("common.peak_flops.device_name", lambda d: device_name)
     args = argparse.Namespace(experiment_name="run-1", model_preset="tiny", seq_length=64,
                               batch_size=4, lr=1e-3)
     stats = stats_of([(1.0, 1.0, 1.0, 1.0)] * 2 + [(0.1, 0.2, 0.3, 0.4)] * 3, tokens=1024)

@@ -6,12 +6,17 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-import common.peak as peak
-from common.peak import cache_key, datasheet_peak, device_peak, matmul_precision, measured_peak
+import common.peak_flops as peak
+from common.environment import set_tf32, tf32_enabled
+from common.peak import main as peak_command
+from common.peak_flops import cache_key, datasheet_peak, device_peak, matmul_precision, measured_peak
+from conftest import run
 
 
 @pytest.mark.parametrize("name, precision, tflops", [
@@ -38,13 +43,41 @@ def test_datasheet_peak(name, precision, tflops):
     assert datasheet_peak(name, precision) == want
 
 
-def test_matmul_precision_follows_dtype_and_tf32_setting(monkeypatch):
-    assert matmul_precision("cpu", "fp32") == "fp32"
-    assert matmul_precision("cuda", "bf16") == "bf16"
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+def test_matmul_precision_follows_dtype_and_tf32_setting():
+    """The TF32 switch and the peak's precision read the same setting, through the API
+    this torch has (`fp32_precision` from torch 2.9, where reading the legacy
+    `allow_tf32` after writing the new API is an error). The attributes exist without
+    CUDA; a fresh interpreter, since the switch is process-wide."""
+    code = """if True:
+        import torch
+        from common.environment import set_tf32, tf32_enabled
+        from common.peak_flops import matmul_precision
+        assert matmul_precision("cpu", "fp32") == "fp32" and matmul_precision("cuda", "bf16") == "bf16"
+        seen = []
+        for on in (True, False, True):
+            set_tf32(on)
+            seen.append((tf32_enabled(), matmul_precision("cuda", "fp32"), matmul_precision("cpu", "fp32")))
+        assert seen == [(True, "tf32", "fp32"), (False, "fp32", "fp32"), (True, "tf32", "fp32")], seen
+        matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+        if hasattr(matmul, "fp32_precision"):   # the new API, written alone
+            assert [f.fp32_precision for f in (matmul, cudnn.conv, cudnn.rnn)] == ["tf32"] * 3
+        else:
+            assert matmul.allow_tf32 and cudnn.allow_tf32
+        print("ok")
+    """
+    assert run([sys.executable, "-c", code]).stdout.strip() == "ok"
+
+
+def test_tf32_switch_uses_the_legacy_flags_where_torch_has_no_fp32_precision(monkeypatch):
+    """torch before 2.9 (pyproject allows 2.6): only `allow_tf32`, on cuBLAS and cuDNN."""
+    matmul, cudnn = SimpleNamespace(allow_tf32=False), SimpleNamespace(allow_tf32=False)
+    monkeypatch.setattr(torch.backends.cuda, "matmul", matmul)
+    monkeypatch.setattr(torch.backends, "cudnn", cudnn)
+    set_tf32(True)
+    assert matmul.allow_tf32 and cudnn.allow_tf32 and tf32_enabled()
     assert matmul_precision("cuda", "fp32") == "tf32"
-    assert matmul_precision("cpu", "fp32") == "fp32"   # no tensor cores on a CPU
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    set_tf32(False)
+    assert not matmul.allow_tf32 and not cudnn.allow_tf32 and not tf32_enabled()
     assert matmul_precision("cuda", "fp32") == "fp32"
 
 
@@ -103,10 +136,10 @@ def test_remeasure_command_overwrites_the_cache(tmp_path, monkeypatch, capsys):
     key = cache_key(peak.device_name("cpu"), "fp32", "cpu")
     path = tmp_path / peak.CACHE_FILE
     path.write_text(json.dumps({key: {"flops": 1.0, "measured": "long ago"}}))
-    peak.main(["--device", "cpu"])
+    peak_command(["--device", "cpu"])
     assert "cached" in capsys.readouterr().out
     assert json.loads(path.read_text())[key]["flops"] == 1.0   # a cache hit changes nothing
-    peak.main(["--device", "cpu", "--remeasure"])
+    peak_command(["--device", "cpu", "--remeasure"])
     out = capsys.readouterr().out
     assert "measured now" in out and "measured peak" in out
     assert json.loads(path.read_text())[key]["flops"] > 1e8

@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 
 from common import report
-from common.metrics import StepStats, build_summary, write_json
+from common.jsonfiles import write_json
+from common.summary import build_summary
+from common.timing import StepStats
 from conftest import run
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from common import tour
-from common.cli import UsageError
+from common.errors import UsageError
 from conftest import run
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

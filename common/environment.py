@@ -1,0 +1,136 @@
+"""The machine and the process a run is on.
+
+- Facts: the device's name, what a reader needs to reproduce a run (`environment_info`),
+  the launcher, the peak memory.
+- The setup every chapter makes in sight, in its `setup()`: `exit_with_launcher` (under
+  torchrun no worker trains on as an orphan), `share_cpu_threads` (the same CPU threads
+  per machine in every chapter), `set_tf32` (fp32 matmuls on CUDA tensor cores).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import resource
+import signal
+import socket
+import sys
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def set_tf32(enabled: bool) -> None:
+    """Let fp32 matmuls and cuDNN convolutions on CUDA use TF32 tensor cores (10-bit
+    mantissa, several times faster), or not. Through `fp32_precision` where torch has it
+    (2.9 on): it deprecates the `allow_tf32` flags, and reading one API after writing the
+    other is an error there. The `allow_tf32` flags on older torch."""
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    if hasattr(matmul, "fp32_precision"):
+        precision = "tf32" if enabled else "ieee"
+        for flags in (matmul, cudnn.conv, cudnn.rnn):
+            flags.fp32_precision = precision
+    else:
+        matmul.allow_tf32 = cudnn.allow_tf32 = enabled
+
+
+def tf32_enabled() -> bool:
+    """Whether fp32 matmuls on CUDA may use TF32, read through the API `set_tf32` writes."""
+    matmul = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):
+        return matmul.fp32_precision == "tf32"
+    return matmul.allow_tf32
+
+
+def device_name(device: torch.device | str) -> str:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "mps":
+        return "Apple MPS"
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"CPU {cpu} ({os.cpu_count()} cores)"
+
+
+def environment_info() -> dict:
+    """What a reader needs to reproduce or compare a run."""
+    info = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "hostname": socket.gethostname(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda_available": torch.cuda.is_available(),
+        "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "cuda_version": torch.version.cuda,
+        "nccl_available": torch.distributed.is_available() and torch.distributed.is_nccl_available(),
+    }
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                "CUDA_VISIBLE_DEVICES", "TORCHELASTIC_RESTART_COUNT"):
+        if var in os.environ:
+            info[var] = os.environ[var]
+    return info
+
+
+def launcher() -> str:
+    return "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ else "python"
+
+
+def peak_memory_mb(device: torch.device | str) -> tuple[float, str]:
+    """(peak MB, what was measured): the CUDA allocator's peak on GPU, else the
+    process's peak resident set size."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20, "cuda_max_allocated"
+    rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    if sys.platform == "darwin":  # bytes there, kilobytes on Linux
+        rss_kb /= 1024
+    return rss_kb / 1024, "process_peak_rss"
+
+
+def exit_with_launcher():
+    """Under torchrun, on Linux (elsewhere a no-op): ask the kernel to send this process
+    SIGTERM when its parent (torchrun's agent) dies. If the parent is already gone (we
+    were orphaned before asking), exit now."""
+    if "LOCAL_RANK" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:
+        sys.exit("error: the launcher (torchrun) is gone; stopping")
+
+
+class ThreadBudget(NamedTuple):
+    threads_per_process: int
+    processes_per_machine: int
+
+
+def share_cpu_threads() -> ThreadBudget:
+    """The same CPU budget per machine in every chapter: each process gets the machine's
+    usable cores divided by the processes training on it (counted across the process
+    group, so two torchruns on one machine count as two), and torch uses that many
+    threads. LLM_GUIDE_THREADS overrides. A collective when distributed."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    here = 1
+    if dist.is_available() and dist.is_initialized():
+        hosts = [None] * dist.get_world_size()
+        dist.all_gather_object(hosts, socket.gethostname())
+        here = hosts.count(socket.gethostname())
+    threads = int(os.environ.get("LLM_GUIDE_THREADS") or max(1, (cores or 1) // here))
+    torch.set_num_threads(threads)
+    return ThreadBudget(threads, here)

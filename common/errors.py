@@ -1,0 +1,130 @@
+"""How a run stops on an error: one line on stderr, never a traceback from every rank.
+
+- `UsageError`, `fail`: bad flags or an impossible configuration; one line, exit status 2.
+- `fail_on_each_machine`: a setup check each machine makes for itself before the
+  process group exists; one line per machine, exit status 2.
+- `run_main(main)`: around a chapter's main(): Ctrl-C ends it with one line (exit 130), a
+  peer or network that stops answering with one line per process (exit 1).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import time
+from contextlib import contextmanager
+
+from torch.distributed import DistError
+
+
+class UsageError(Exception):
+    """Bad flags or an impossible configuration."""
+
+
+def fail(message: str, status: int = 2):
+    """One line on stderr and exit status 2. Under torchrun every rank usually sees the
+    same bad input: rank 0 says it at once. The other ranks wait a moment before they
+    speak and exit: torchrun stops a job as soon as one worker exits, so a rank that
+    left first could end rank 0 before it printed. If rank 0 did not fail (a rank's
+    own error), they speak for themselves after the wait."""
+    rank = int(os.environ.get("RANK") or 0)
+    if rank != 0:
+        time.sleep(3.0)
+    print(f"error: {'' if rank == 0 else f'[rank {rank}] '}{message}", file=sys.stderr, flush=True)
+    sys.exit(status)
+
+
+def fail_on_each_machine(message: str):
+    """One line per machine (local rank 0 speaks), exit status 2: a setup error that every
+    process of a machine finds alike, before any rank can hear another."""
+    if int(os.environ.get("LOCAL_RANK") or 0) == 0:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def reachable(host: str, port: int, timeout: float = 2.0) -> bool:
+    """Whether a TCP connection to host:port opens."""
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+# What a failed collective says (gloo, and the c10d store), and what it means.
+TIMED_OUT = ("timed out", "timeout")
+PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe",
+             "connection refused", "failed to recv, got 0 bytes")
+
+
+def launcher_stuck() -> bool:
+    """True when rank 0's machine (MASTER_ADDR, where torchrun's rendezvous state lives
+    in a one-rendezvous-host setup) no longer answers a TCP connect. torchrun's agent on
+    this machine then waits on that store and does not return (torch 2.13, measured: still
+    blocked in the store's get after 90 s, with --rdzv-conf read_timeout=10), so nothing
+    would end it."""
+    if os.environ.get("TORCHELASTIC_RUN_ID") is None:
+        return False
+    return not reachable(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+
+
+def stop_launcher(pid: int, grace: float = 1.0) -> None:
+    """SIGTERM torchrun's agent; blocked inside the store client it cannot run its
+    handler, so SIGKILL it after a grace period."""
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+    print(f"error: rank {os.environ.get('RANK', '0')}: stopping this machine's torchrun (pid {pid}), "
+          f"which waits on the unreachable rendezvous", file=sys.stderr, flush=True)
+    os.kill(pid, signal.SIGKILL)
+
+
+@contextmanager
+def explain_peer_failures():
+    """A collective that times out (a peer or the network stopped answering) or finds its
+    peer gone ends this process with one line and exit status 1. If the machine holding
+    rank 0 is unreachable, this machine's torchrun is stopped too (SIGTERM, then SIGKILL),
+    since it would wait on that machine's store for minutes."""
+    try:
+        yield
+    except RuntimeError as e:  # gloo and store errors are RuntimeError subclasses
+        text = str(e).lower()
+        if "RANK" not in os.environ or not (isinstance(e, DistError) or "gloo" in text):
+            raise  # not a collective's error: the usual traceback
+        if any(k in text for k in TIMED_OUT):
+            what = "a peer stopped answering: a collective timed out (--timeout)"
+        elif any(k in text for k in PEER_GONE):
+            what = "a peer closed its connection: another rank failed first (its error is in its own log)"
+        else:
+            raise
+        first = str(e).strip().splitlines()[0]
+        first = first.split("] ", 1)[-1] if first.startswith("[") else first
+        rank = os.environ.get("RANK", "0")
+        stuck = launcher_stuck()
+        hint = ("; check that every machine is up and the network between them works, then rerun "
+                "(chapter 04 resumes from its last checkpoint)")
+        print(f"error: rank {rank}: {what} ({first}){hint}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        if stuck:
+            stop_launcher(os.getppid())
+        os._exit(1)  # no atexit teardown: it would talk to the peer that is gone
+
+
+def run_main(main):
+    """main(), with Ctrl-C as one line, and a lost peer or network as one line per process
+    (`explain_peer_failures`) instead of a traceback on every rank."""
+    try:
+        with explain_peer_failures():
+            return main()
+    except KeyboardInterrupt:
+        if int(os.environ.get("RANK") or 0) == 0:
+            print("\ninterrupted (Ctrl-C); nothing after the last completed step was saved",
+                  file=sys.stderr, flush=True)
+        os._exit(130)  # no teardown: peers may be gone, and waiting for them would hang

@@ -1,0 +1,54 @@
+"""A run's JSON files: `metrics.jsonl` (one object per logged step) and whole JSON files
+(`summary.json`, caches), written so that a reader never sees half a file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+class MetricsWriter:
+    """Appends one JSON line per logged step; line-buffered so a crash loses nothing."""
+
+    def __init__(self, path: str | os.PathLike, append: bool = False):
+        self.path = Path(path)
+        self.f = open(self.path, "a" if append else "w", buffering=1)
+
+    def write(self, record: dict):
+        self.f.write(json.dumps(record) + "\n")
+
+    def close(self):
+        self.f.close()
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """The records of a metrics.jsonl; a torn line (a kill or a full disk mid-write) is
+    skipped, not fatal."""
+    records = []
+    with open(path) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                records.append(record)
+    return records
+
+
+def write_jsonl(path: str | os.PathLike, records: list[dict]):
+    """Rewrite a JSON-lines file atomically (a resumed run drops lines it will redo)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    os.replace(tmp, path)
+
+
+def write_json(path: str | os.PathLike, obj: dict):
+    """Write beside the target and rename, so readers never see half a file."""
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # concurrent writers: one each
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)

@@ -1,0 +1,68 @@
+"""`common` is a library in layers: no module imports one that imports it back, none
+hides an import of another `common` module inside a function, and the command-line
+tools stand apart from the library the chapters import."""
+
+from __future__ import annotations
+
+import ast
+
+from conftest import REPO
+
+COMMON = REPO / "common"
+TOOLS = {"tour", "report", "bench_model", "peak", "two_hosts"}  # `python -m common.X`
+
+
+def imports_of(name: str) -> tuple[set[str], set[str]]:
+    """(the `common` modules `name` imports at its top level, those it imports inside a
+    function or class)."""
+    tree = ast.parse((COMMON / f"{name}.py").read_text())
+    top, nested = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            found = {node.module.split(".")[0]} if node.module else {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("common"):
+            found = {node.module.split(".")[1]} if "." in node.module else {a.name for a in node.names}
+        else:
+            continue
+        (top if node in tree.body else nested).update(found)
+    return top, nested
+
+
+MODULES = sorted(p.stem for p in COMMON.glob("*.py") if p.stem != "__init__")
+GRAPH = {m: imports_of(m) for m in MODULES}
+ALL = {m: top | nested for m, (top, nested) in GRAPH.items()}  # wherever the import is
+
+
+def test_no_common_module_is_imported_inside_a_function():
+    hidden = {m: sorted(nested) for m, (_, nested) in GRAPH.items() if nested}
+    assert not hidden, f"imports inside functions (they hide the layering): {hidden}"
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    def cycle_from(start):
+        path, seen = [], set()
+
+        def visit(m):
+            if m in path:
+                return path[path.index(m):] + [m]
+            if m in seen:
+                return None
+            seen.add(m)
+            path.append(m)
+            for n in sorted(ALL[m]):
+                found = visit(n)
+                if found:
+                    return found
+            path.pop()
+            return None
+        return visit(start)
+
+    cycles = [c for c in map(cycle_from, MODULES) if c]
+    assert not cycles, f"import circles: {cycles[0]}"
+
+
+def test_the_library_imports_no_command_line_tool():
+    library = [m for m in MODULES if m not in TOOLS]
+    leaks = {m: sorted(ALL[m] & TOOLS) for m in library if ALL[m] & TOOLS}
+    assert not leaks, f"library modules that import a tool: {leaks}"
+    assert set(MODULES) >= TOOLS
