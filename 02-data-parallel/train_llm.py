@@ -181,14 +181,17 @@ def main():
             tracker.start_step()
             loss_sum.zero_()
             with tracker.phase("data"):
-                micro_batches = [next(batches) for _ in range(args.grad_accum)]
-                n_tokens = sum(int((y != IGNORE_INDEX).sum()) for _, y in micro_batches)
+                micro_batches = [(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+                                 for x, y in (next(batches) for _ in range(args.grad_accum))]
+                # The loss is the mean over the step's target tokens. Packed, every target
+                # is a token: a known count. Padded, counted on the device (no host wait).
+                n_tokens = global_batch * args.seq_length
+                if args.padded:
+                    n_tokens = sum((y != IGNORE_INDEX).sum() for _, y in micro_batches)
             # Gradient accumulation: backward adds into .grad, so the micro-batches' summed
             # losses, each divided by the step's token count, give one larger batch's gradient.
             for micro, (x, y) in enumerate(micro_batches):
                 with tracker.phase("data"):
-                    x = x.to(device, non_blocking=True)
-                    y = y.to(device, non_blocking=True)
                     attn_mask = build_attention_mask(x, data.pad_id) if args.padded else None
                 with tracker.phase("forward"):
                     with autocast:

@@ -177,10 +177,10 @@ def main():
             with tracker.phase("data"):
                 micro_batches = [(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
                                  for x, y in (next(batches) for _ in range(args.grad_accum))]
-                # DDP averages the ranks' gradients: x world_size / the global batch's token
-                # count makes that the mean over all its tokens. Packed, every target is a
-                # token: a known count, nothing to send. Padded, the ranks' counts differ:
-                # counted and summed on the device (no wait for the host).
+                # The loss is the mean over the step's target tokens. Packed, every target
+                # is a token: a known count. Padded, counted on the device (no host wait),
+                # and summed over the ranks there: DDP averages the ranks' gradients, so
+                # each rank's loss is x world_size / the global batch's token count.
                 n_tokens = global_batch * args.seq_length
                 if args.padded:
                     n_tokens = sum((y != IGNORE_INDEX).sum() for _, y in micro_batches)

