@@ -206,10 +206,13 @@ def main():
     settings = run_settings(args, global_batch, data.fingerprint, FORMAT_VERSION)  # what defines this run
     resume(args, run_dir, train_state, rank, settings, log)
     start_step, start_epoch, start_in_epoch = train_state.step, train_state.epoch, train_state.step_in_epoch
-    if start_step >= total_steps:
+    if start_step >= total_steps and (run_dir / "summary.json").exists():
         log.info("this run already finished (step %d of %d); nothing to do", start_step, total_steps)
         del model  # as at the end of main(): free DDP before its process group
         return gc_and_destroy_process_group()
+    if start_step >= total_steps:  # stopped after its last checkpoint: finish its end
+        log.info("training finished at step %d; its end (validation, sample, weights, summary) "
+                 "did not: finishing it now", start_step)
     # timing, progress bar, metrics.jsonl, summary.json and the final table (rank 0)
     tracker = Tracker(CHAPTER, run_dir, device, total_steps, tokens_per_step, log, threads=threads,
                       args=args, dtype=dtype, num_params=n_params, start_step=start_step,

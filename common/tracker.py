@@ -99,6 +99,20 @@ class Tracker:
             self.logger.info("step %d/%d | loss %.4f | lr %.2e | %.0f tokens/s", step, self.total_steps,
                           record["loss"], record["lr"], record["tokens_per_s"])
 
+    def finish_untimed(self, val_loss: float | None) -> dict:
+        """The end of a run whose training ended in an earlier process (chapter 04: stopped
+        after its last checkpoint, before its summary): no step was timed here, so the
+        summary holds the losses, from metrics.jsonl, and says so instead of speeds."""
+        logged = [r for r in read_metrics(self.run_dir / "metrics.jsonl") if "loss" in r]
+        summary = {"chapter": self.chapter, "experiment_name": self.facts["args"].experiment_name,
+                   "world_size": self.facts["world_size"], "steps": self.total_steps,
+                   "final_loss": logged[-1]["loss"] if logged else None, "val_loss": val_loss,
+                   "notes": ["training ended in an earlier process; this one finished the run's end "
+                             "(validation, sample, weights, summary), so no speed was measured"]}
+        write_json(self.run_dir / "summary.json", summary)
+        print(f"\n{summary['notes'][0]}\n\noutputs in {self.run_dir}", flush=True)
+        return summary
+
     def diverged(self, step: int, values: dict):
         """A non-finite loss: the run has diverged and more steps only spread NaN. Keep what
         it produced (metrics up to here, a summary saying where), then stop with one line."""
@@ -137,6 +151,8 @@ class Tracker:
         self.close()
         if self.rank != 0:
             return None
+        if not self.stats.steps:
+            return self.finish_untimed(val_loss)
         args = self.facts["args"]
         summary = build_summary(chapter=self.chapter, device=self.device, stats=self.stats,
                                 tokens_per_step=self.tokens_per_step, final_loss=final_loss,

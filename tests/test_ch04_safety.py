@@ -128,6 +128,21 @@ def test_a_rollback_stays_rolled_back(tmp_path, uninterrupted):
     assert_same_as_uninterrupted(run_dir, uninterrupted[1])
 
 
+def test_a_run_stopped_after_its_last_checkpoint_is_finished_by_the_rerun(tmp_path, uninterrupted):
+    """Killed during the final validation (the handlers are gone by then): the last step is
+    committed, but model.pt and summary.json are missing. The rerun finishes the end."""
+    run_dir = copy_run(uninterrupted[1], tmp_path)
+    (run_dir / "summary.json").unlink()
+    (run_dir / "model.pt").unlink()
+    proc = train(tmp_path)
+    assert "training finished at step 20; its end (validation, sample, weights, summary) did not" in proc.stdout
+    summary = read_json(run_dir / "summary.json")
+    reference = read_json(uninterrupted[1] / "summary.json")
+    assert summary["final_loss"] == reference["final_loss"] and summary["val_loss"] == reference["val_loss"]
+    assert "no speed was measured" in summary["notes"][0]
+    assert_same_as_uninterrupted(run_dir, uninterrupted[1])  # model.pt too
+
+
 def test_resume_from_acts_once_per_job_under_restarts(tmp_path, crashed, uninterrupted):
     """--resume-from step 4, then a crash after step 9 under --max-restarts: the restart
     resumes from step 8, which this job saved, not from step 4 again."""
