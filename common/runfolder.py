@@ -1,7 +1,7 @@
 """The run folder: one owner at a time, never overwritten, never deleted.
 
-- `claim_run_folder`: rank 0 creates the folder and holds an exclusive lock on its
-  `.owner` file for as long as its process lives. The kernel drops the lock when the
+- `claim_run_folder`: rank 0 creates the folder and holds an exclusive lock on it for
+  as long as its process lives (`.owner` says who). The kernel drops the lock when the
   process ends, however it ends, so a killed job never leaves the folder stuck; a second
   job with the same --experiment-name stops with one line naming the owner.
 - `archive_run`: move a previous run's files into `archive-<time>/` (chapter 04's --fresh).
@@ -19,7 +19,7 @@ from .distributed import first_error
 from .errors import fail
 
 OWNER_FILE = ".owner"
-_held = []  # lock files kept open, hence locked, until the process exits
+_held = []  # folder descriptors kept open, hence locked, until the process exits
 
 
 def claim_run_folder(run_dir: Path, *, rank: int = 0, resumes: bool = False) -> Path:
@@ -40,26 +40,24 @@ def claim_run_folder(run_dir: Path, *, rank: int = 0, resumes: bool = False) -> 
 
 def _claim(run_dir: Path, resumes: bool) -> str | None:
     run_dir.mkdir(parents=True, exist_ok=True)
-    f = open(run_dir / OWNER_FILE, "a+")
+    # The lock is on the folder itself, so deleting `.owner` cannot lift it; `.owner` only
+    # says who holds it.
+    fd = os.open(run_dir, os.O_RDONLY)
     try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        f.seek(0)
-        owner = f.read().strip() or "another job"
-        f.close()
-        return (f"run folder {str(run_dir)!r} is in use by {owner}; wait for it to end or "
-                f"choose another --experiment-name")
+        os.close(fd)
+        owner = (run_dir / OWNER_FILE).read_text().strip() if (run_dir / OWNER_FILE).is_file() else ""
+        return (f"run folder {str(run_dir)!r} is in use by {owner or 'another job'}; wait for it to "
+                f"end or choose another --experiment-name")
     if not resumes and any(p.name != OWNER_FILE for p in run_dir.iterdir()):
-        f.close()
+        os.close(fd)
         return (f"run folder {str(run_dir)!r} already exists and is not empty; choose another "
                 f"--experiment-name or remove it")
     job = os.environ.get("TORCHELASTIC_RUN_ID")
-    f.seek(0)
-    f.truncate()
-    f.write(f"{'job ' + job + ', ' if job else ''}pid {os.getpid()} on {socket.gethostname()}, "
-            f"since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-    f.flush()
-    _held.append(f)
+    (run_dir / OWNER_FILE).write_text(f"{'job ' + job + ', ' if job else ''}pid {os.getpid()} on "
+                                      f"{socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    _held.append(fd)
     return None
 
 

@@ -84,7 +84,8 @@ def test_a_torn_last_metrics_line_does_not_block_the_resume(tmp_path, crashed, u
 
 
 def test_a_second_job_on_the_same_folder_is_refused(tmp_path):
-    """One owner at a time: the lock names the owner; it goes when the owner's process does."""
+    """One owner at a time: the lock names the owner, holds without its note, and goes
+    when the owner's process does."""
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; from common.runfolder import claim_run_folder; "
          "claim_run_folder(__import__('pathlib').Path(sys.argv[1])); print('held', flush=True); "
@@ -94,6 +95,9 @@ def test_a_second_job_on_the_same_folder_is_refused(tmp_path):
         proc = train(tmp_path, check=False)
         assert proc.returncode != 0
         assert f"run folder '{tmp_path / NAME}' is in use by pid {holder.pid}" in proc.stderr
+        (tmp_path / NAME / ".owner").unlink()  # the note of who holds it, not the lock
+        proc = train(tmp_path, check=False)
+        assert proc.returncode != 0 and f"run folder '{tmp_path / NAME}' is in use by another job" in proc.stderr
     finally:
         holder.kill()
         holder.wait()
