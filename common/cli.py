@@ -226,6 +226,10 @@ def check_run_folder(args, name_prefix: str, *, must_be_new: bool = True) -> Non
     if not re.fullmatch(r"[A-Za-z0-9._-]+", args.experiment_name) or args.experiment_name in (".", ".."):
         raise UsageError(f"--experiment-name {args.experiment_name!r} must use only letters, "
                          f"digits, '.', '_' and '-'")
+    if len(args.experiment_name) > 200:  # a folder name, and file systems stop at 255 bytes
+        raise UsageError(f"--experiment-name is {len(args.experiment_name)} characters long; "
+                         f"200 at most")
+    args.save_dir = os.path.expanduser(args.save_dir)  # '~/runs' quoted, as the shell would
     save_dir = Path(args.save_dir)
     if save_dir.exists() and not save_dir.is_dir():
         raise UsageError(f"--save-dir {str(save_dir)!r} exists and is not a folder")

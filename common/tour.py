@@ -123,6 +123,10 @@ def parse_args(argv=None, gpus: int | None = None) -> argparse.Namespace:
     if gpus and sizes.nproc > gpus:
         raise UsageError(f"--nproc {sizes.nproc}: only {gpus} GPU(s) here, and NCCL needs one "
                          f"GPU per process")
+    cores = os.cpu_count() or 1
+    if not gpus and sizes.nproc > max(4, cores):
+        raise UsageError(f"--nproc {sizes.nproc}: this machine has {cores} CPU cores; more than "
+                         f"{max(4, cores)} processes would only share them")
     if "04-checkpointing" in args.chapter_list and sizes.steps < 3:
         raise UsageError(f"--steps {sizes.steps}: chapter 04 needs at least 3 (a checkpoint, "
                          f"then a crash, then the resumed run)")
