@@ -13,7 +13,8 @@ import torch
 
 from .cli import Parser
 from .environment import device_name, set_tf32
-from .peak_flops import cache_path, cached_peak, datasheet_peak, matmul_precision, measured_peak
+from .peak_flops import (busy, cache_path, cached_peak, cached_record, datasheet_peak, matmul_precision,
+                         measured_peak)
 from .tables import format_flops
 
 
@@ -33,13 +34,22 @@ def main(argv=None):
     if device.type == "cuda":
         set_tf32(True)  # as the chapters set it
     precision = matmul_precision(device, dtype)
-    fresh = args.remeasure or cached_peak(device, precision) is None
+    before = cached_peak(device, precision)
     measured = measured_peak(device, precision, remeasure=args.remeasure)
+    record = cached_record(device, precision)
     datasheet = datasheet_peak(device_name(device), precision)
     print(f"device: {device_name(device)}; {precision} matmuls; torch {torch.__version__}; "
           f"{torch.get_num_threads()} threads")
-    print(f"measured peak: {format_flops(measured)} "
-          f"({'measured now' if fresh else 'cached'} in {cache_path()})")
+    load, cores = record.get("load"), record.get("cores")
+    when = f"measured {record.get('measured', '?')}"
+    if load is not None:
+        when += f" at load {load:.1f} on {cores} cores"
+    print(f"measured peak: {format_flops(measured)}, the best seen here ({when}; "
+          f"{'new' if measured != before else 'cached'} in {cache_path()})")
+    if busy(load, cores or 1):
+        print("note: the best so far was measured on a busy machine, so it is too low and MFU "
+              "too high; it is measured again when the machine is quieter, or run this with "
+              "--remeasure on an idle machine")
     print("datasheet peak: " + (format_flops(datasheet) if datasheet else "unknown for this device")
           + "; MFU is reported against the " + ("datasheet" if datasheet else "measured")
           + " peak")

@@ -11,6 +11,7 @@ version and (on CPU) thread count, so it runs once per machine and setup
 from __future__ import annotations
 
 import json
+import os
 import math
 import re
 import time
@@ -140,25 +141,47 @@ def cache_path(cache_dir: str | Path | None = None) -> Path:
 
 
 def cached_peak(device: torch.device, precision: str, cache_dir=None) -> float | None:
+    return cached_record(device, precision, cache_dir).get("flops")
+
+
+def cached_record(device: torch.device, precision: str, cache_dir=None) -> dict:
+    """The cache's entry for this device, precision, torch and thread count: the best
+    peak seen (`flops`), when (`measured`) and under which load (`load`, `cores`)."""
     key = cache_key(device_name(device), precision, device.type)
-    return read_cache(cache_path(cache_dir)).get(key, {}).get("flops")
+    record = read_cache(cache_path(cache_dir)).get(key, {})
+    return record if isinstance(record, dict) else {}
+
+
+def machine_load() -> tuple[float | None, int]:
+    """(1-minute load average or None where unknown, CPU cores)."""
+    return (os.getloadavg()[0] if hasattr(os, "getloadavg") else None), (os.cpu_count() or 1)
+
+
+def busy(load: float | None, cores: int) -> bool:
+    return load is not None and load > cores
 
 
 def measured_peak(device: torch.device | str, precision: str, *, remeasure: bool = False,
                   cache_dir: str | Path | None = None) -> float:
-    """The measured peak from the cache, measuring (and caching) it when absent or when
-    `remeasure` is set."""
+    """The best peak ever measured here, from the cache. Measured when absent, when
+    `remeasure` is set, or when the best so far was taken on a busy machine and this one
+    is quieter (other work lowers a measurement, so a busy figure must not stay the peak).
+    A new measurement replaces the cached one only if it is higher."""
     device = torch.device(device)
-    flops = None if remeasure else cached_peak(device, precision, cache_dir)
-    if flops is not None:
-        return flops
+    record = cached_record(device, precision, cache_dir)
+    load, cores = machine_load()
+    quieter = busy(record.get("load"), record.get("cores", cores)) and not busy(load, cores)
+    if record.get("flops") and not remeasure and not (device.type == "cpu" and quieter):
+        return record["flops"]
+    flops = measure_matmul_peak(device, precision)
+    if record.get("flops", 0) >= flops:
+        return record["flops"]
     path = cache_path(cache_dir)
     key = cache_key(device_name(device), precision, device.type)
-    flops = measure_matmul_peak(device, precision)
     path.parent.mkdir(parents=True, exist_ok=True)
     # re-read: another process may have added its own key meanwhile
-    write_json(path, {**read_cache(path),
-                      key: {"flops": flops, "measured": time.strftime("%Y-%m-%d %H:%M:%S")}})
+    record = {"flops": flops, "measured": time.strftime("%Y-%m-%d %H:%M:%S"), "load": load, "cores": cores}
+    write_json(path, {**read_cache(path), key: record})
     return flops
 
 

@@ -103,7 +103,8 @@ def counted_measure(monkeypatch):
     return calls
 
 
-def test_measured_peak_is_cached(tmp_path, counted_measure):
+def test_measured_peak_is_cached(tmp_path, counted_measure, monkeypatch):
+    monkeypatch.setattr(peak, "machine_load", lambda: (0.5, 2))  # an idle machine
     first = measured_peak("cpu", "fp32", cache_dir=tmp_path)
     assert math.isfinite(first) and first > 1e8    # any CPU of this century: > 0.1 GFLOP/s
     assert measured_peak("cpu", "fp32", cache_dir=tmp_path) == first   # from the cache
@@ -113,7 +114,8 @@ def test_measured_peak_is_cached(tmp_path, counted_measure):
     assert len(counted_measure) == 1
 
 
-def test_cache_key_holds_precision_threads_and_torch_version(tmp_path, counted_measure):
+def test_cache_key_holds_precision_threads_and_torch_version(tmp_path, counted_measure, monkeypatch):
+    monkeypatch.setattr(peak, "machine_load", lambda: (0.5, 2))
     threads = torch.get_num_threads()
     measured_peak("cpu", "fp32", cache_dir=tmp_path)
     try:
@@ -141,5 +143,21 @@ def test_remeasure_command_overwrites_the_cache(tmp_path, monkeypatch, capsys):
     assert json.loads(path.read_text())[key]["flops"] == 1.0   # a cache hit changes nothing
     peak_command(["--device", "cpu", "--remeasure"])
     out = capsys.readouterr().out
-    assert "measured now" in out and "measured peak" in out
+    assert "measured peak" in out and "the best seen here" in out and "new in" in out
     assert json.loads(path.read_text())[key]["flops"] > 1e8
+
+
+def test_a_busy_measurement_never_stays_the_peak(tmp_path, monkeypatch):
+    """Measured while other work loads the machine, a peak is too low: it is measured
+    again once the machine is quieter, and a measurement replaces the cached one only
+    when it is higher. The record keeps the date and the load."""
+    results, load = iter([2e9, 5e9, 3e9]), [(7.0, 2)]
+    monkeypatch.setattr(peak, "measure_matmul_peak", lambda device, precision: next(results))
+    monkeypatch.setattr(peak, "machine_load", lambda: load[0])
+    assert measured_peak("cpu", "fp32", cache_dir=tmp_path) == 2e9      # busy: 2 GFLOP/s
+    assert measured_peak("cpu", "fp32", cache_dir=tmp_path) == 2e9      # still busy: cached
+    load[0] = (0.3, 2)
+    assert measured_peak("cpu", "fp32", cache_dir=tmp_path) == 5e9      # quiet: measured again
+    record = json.loads((tmp_path / peak.CACHE_FILE).read_text())[cache_key(peak.device_name("cpu"), "fp32", "cpu")]
+    assert record["load"] == 0.3 and record["cores"] == 2 and record["measured"]
+    assert measured_peak("cpu", "fp32", cache_dir=tmp_path, remeasure=True) == 5e9  # 3e9 is lower: kept
