@@ -150,7 +150,8 @@ def main():
     total_steps = args.max_steps or args.num_epochs * steps_per_epoch
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup_steps, total_steps))
     # --compile: model and loss as one graph (under DDP, compiled after wrapping)
-    loss_fn = torch.compile(compute_loss) if args.compile and len(device_ids) < 2 else compute_loss
+    args.compile = args.compile and len(device_ids) < 2  # not under DataParallel; the summary says so
+    loss_fn = torch.compile(compute_loss) if args.compile else compute_loss
     global_batch = args.batch_size * args.grad_accum
     tokens_per_step = global_batch * args.seq_length  # processed, padding included
     log.info("training %d steps (%.2f epochs of %d); batch %d = %d x grad-accum %d, %d tokens "
