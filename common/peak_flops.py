@@ -30,11 +30,17 @@ from .tables import format_flops
 # plain (non-tensor-core) fp32 rate. The first pattern that matches the device name wins,
 # so the NVL parts come before the plain names they contain.
 DATASHEET_TFLOPS: list[tuple[str, dict[str, float]]] = [
+    (r"\bB200\b", {"bf16": 2250.0, "tf32": 1125.0, "fp32": 75.0}),     # HGX B200, per GPU
+    (r"\bGH200\b", {"bf16": 989.0, "tf32": 494.5, "fp32": 67.0}),     # its Hopper GPU
     (r"\bH200 NVL\b", {"bf16": 835.0, "tf32": 417.5, "fp32": 60.0}),
     (r"\bH200\b", {"bf16": 989.0, "tf32": 494.5, "fp32": 67.0}),       # SXM
     (r"\bH100 NVL\b", {"bf16": 835.0, "tf32": 417.5, "fp32": 60.0}),
     (r"\bH100 PCIe\b", {"bf16": 756.0, "tf32": 378.0, "fp32": 51.0}),
     (r"\bH100 (SXM|80GB HBM3)", {"bf16": 989.0, "tf32": 494.5, "fp32": 67.0}),
+    (r"\bH800 PCIe\b", {"bf16": 756.0, "tf32": 378.0, "fp32": 51.0}),
+    (r"\bH800 (SXM|80GB HBM3)", {"bf16": 989.0, "tf32": 494.5, "fp32": 67.0}),
+    (r"\bL40S\b", {"bf16": 362.0, "tf32": 183.0, "fp32": 91.6}),
+    (r"\bL40\b", {"bf16": 181.0, "tf32": 90.5, "fp32": 90.5}),
     (r"\bA100\b", {"bf16": 312.0, "tf32": 156.0, "fp32": 19.5}),      # SXM and PCIe
     (r"\bA10\b", {"bf16": 125.0, "tf32": 62.5, "fp32": 31.2}),        # not A10G, A100
     (r"\bL4\b", {"bf16": 121.0, "tf32": 60.0, "fp32": 30.3}),         # not L40, L40S
@@ -70,7 +76,11 @@ def matmul_precision(device: torch.device | str, dtype: str) -> str:
 
 
 def datasheet_peak(name: str, precision: str) -> float | None:
-    """The datasheet's dense peak FLOP/s of a known device, else None."""
+    """The datasheet's dense peak FLOP/s of a known device, else None. A MIG slice (its
+    name carries "MIG 1g.10gb", say) has a fraction of the GPU's compute units, not the
+    whole GPU's datasheet figure: None, so its peak is measured."""
+    if re.search(r"\bMIG\b", name):
+        return None
     for pattern, tflops in DATASHEET_TFLOPS:
         if re.search(pattern, name):
             return tflops[precision] * 1e12 if precision in tflops else None

@@ -33,7 +33,13 @@ from conftest import run
     ("NVIDIA A10", "bf16", 125),
     ("NVIDIA L4", "bf16", 121),
     ("NVIDIA A10G", "bf16", None),              # contains "A10", another part
-    ("NVIDIA L40S", "bf16", None),              # contains "L4", another part
+    ("NVIDIA L40S", "bf16", 362),               # contains "L4" and "L40": other parts
+    ("NVIDIA L40", "tf32", 90.5),
+    ("NVIDIA B200", "bf16", 2250),
+    ("NVIDIA GH200 480GB", "bf16", 989),        # contains "H200": another part
+    ("NVIDIA H800 PCIe", "bf16", 756),
+    ("NVIDIA H100 80GB HBM3 MIG 1g.10gb", "bf16", None),   # a slice: measured, not 989
+    ("NVIDIA A100-SXM4-40GB MIG 3g.20gb", "tf32", None),
     ("NVIDIA H100", "bf16", None),              # which H100? measure rather than guess
     ("NVIDIA GeForce RTX 4090", "bf16", None),
     ("CPU Intel(R) Xeon(R) Processor (2 cores)", "fp32", None),
