@@ -120,17 +120,24 @@ class ThreadBudget(NamedTuple):
     processes_per_machine: int
 
 
-def share_cpu_threads() -> ThreadBudget:
-    """The same CPU budget per machine in every chapter: each process gets the machine's
-    usable cores divided by the processes training on it (counted across the process
-    group, so two torchruns on one machine count as two), and torch uses that many
-    threads. LLM_GUIDE_THREADS overrides. A collective when distributed."""
+def share_cpu_threads(device: torch.device | str = "cpu") -> ThreadBudget:
+    """The same CPU budget per machine in every chapter: each process gets its share of
+    the machine's usable cores (divided by the processes training on it, counted across
+    the process group, so two torchruns on one machine count as two), and torch uses that
+    many threads. On a GPU the math runs on the device and a process's CPU threads only
+    launch kernels and run the odd CPU op, while its DataLoader workers, the pin-memory
+    thread and NCCL's proxy threads need cores of their own: torch gets half the share
+    there, at most 8 (PyTorch's tuning advice: avoid oversubscribing the cores).
+    LLM_GUIDE_THREADS overrides. A collective when distributed."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     here = 1
     if dist.is_available() and dist.is_initialized():
         hosts = [None] * dist.get_world_size()
         dist.all_gather_object(hosts, socket.gethostname())
         here = hosts.count(socket.gethostname())
-    threads = int(os.environ.get("LLM_GUIDE_THREADS") or max(1, (cores or 1) // here))
+    share = max(1, (cores or 1) // here)
+    if torch.device(device).type == "cuda":
+        share = max(1, min(8, share // 2))
+    threads = int(os.environ.get("LLM_GUIDE_THREADS") or share)
     torch.set_num_threads(threads)
     return ThreadBudget(threads, here)

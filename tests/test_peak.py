@@ -167,3 +167,26 @@ def test_a_busy_measurement_never_stays_the_peak(tmp_path, monkeypatch):
     record = json.loads((tmp_path / peak.CACHE_FILE).read_text())[cache_key(peak.device_name("cpu"), "fp32", "cpu")]
     assert record["load"] == 0.3 and record["cores"] == 2 and record["measured"]
     assert measured_peak("cpu", "fp32", cache_dir=tmp_path, remeasure=True) == 5e9  # 3e9 is lower: kept
+
+
+@pytest.mark.parametrize("device, cores, expected", [
+    ("cpu", 16, 8),    # 2 processes on 16 cores: 8 threads each, the whole share
+    ("cuda", 16, 4),   # on GPUs half the share: the rest is for loaders and NCCL's threads
+    ("cuda", 64, 8),   # and at most 8
+    ("cuda", 2, 1),
+])
+def test_thread_budget_per_process(monkeypatch, device, cores, expected):
+    import common.environment as environment
+
+    monkeypatch.setattr(environment.os, "sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.setattr(environment.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(environment.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(environment.dist, "all_gather_object",
+                        lambda out, obj: out.__setitem__(slice(None), [obj, obj]))
+    monkeypatch.delenv("LLM_GUIDE_THREADS", raising=False)
+    before = torch.get_num_threads()
+    try:
+        assert environment.share_cpu_threads(device) == (expected, 2)
+        assert torch.get_num_threads() == expected
+    finally:
+        torch.set_num_threads(before)
