@@ -293,11 +293,18 @@ def test_readme_commands_parse_and_run(chapter, tmp_path, monkeypatch):
     for command, runnable in commands:
         if not runnable:
             continue
+        remark, command = command, re.sub(r"\s+#.*$", "", command)  # a remark after it
         if command in LAUNCHED_BY:
             file, _, where = LAUNCHED_BY[command].partition("::")
             code = (REPO / "tests" / file).read_text()
             assert (f"def {where}(" if where.isidentifier() else where) in code, \
                 f"{command}: {LAUNCHED_BY[command]} is gone; run the command here instead"
             continue
+        assert "two terminals" not in remark, f"{command}: a two-node command is launched by a test"
         argv, env = smoke_argv(command, tmp_path)
         run(argv, env=env, timeout=600)
+
+
+def test_launched_by_names_only_readme_commands():
+    commands = {re.sub(r"\s+#.*$", "", c) for ch in [*CHAPTERS, "."] for c, _ in readme_commands(ch)}
+    assert set(LAUNCHED_BY) <= commands, set(LAUNCHED_BY) - commands
