@@ -98,3 +98,33 @@ def crashed(tmp_path_factory):
 
     save_dir = tmp_path_factory.mktemp("ch04-crashed")
     return train(save_dir, "--crash-at-step", CRASH, check=False), save_dir / NAME
+
+
+# Chapter 01's reference run: the smoke run chapter 01's tests inspect, and the run
+# chapter 02 must reproduce exactly. CUDA hidden, so that it trains on the CPU as chapter
+# 02's fallback does, GPUs or not.
+CH01_STEPS = 40
+NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}
+
+
+@pytest.fixture(scope="session")
+def ch01_smoke(tmp_path_factory):
+    """One 40-step run of the tiny preset, from the repo root with plain python:
+    (process, run folder, metrics records, summary)."""
+    save_dir = tmp_path_factory.mktemp("ch01")
+    proc = run(python_cmd("01-single-gpu/train_llm.py", *TINY, "--max-steps", CH01_STEPS,
+                          "--save-dir", save_dir, "--experiment-name", "smoke"), env=NO_GPU)
+    run_dir = save_dir / "smoke"
+    return proc, run_dir, read_jsonl(run_dir / "metrics.jsonl"), read_json(run_dir / "summary.json")
+
+
+def refused(capsys, parse, argv) -> str:
+    """A script's parse_args on a bad command line, in this process: exit status 2 and
+    one line on stderr, which is returned."""
+    with pytest.raises(SystemExit) as exit_:
+        parse([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]

@@ -1,10 +1,11 @@
-"""torch.compile trains the same model as eager, and the benchmark reports MFU against
-the device's peak. (Speed is a benchmark figure, printed by `python -m
-common.bench_model`, never asserted here.)"""
+"""The benchmark's training step trains, and the benchmark reports MFU against the
+device's peak. (Speed is a benchmark figure, printed by `python -m common.bench_model`,
+never asserted here. That torch.compile trains what eager trains is proven once, on the
+path users run: test_ch01_single.py's --compile test, whose compiled function is, like
+the benchmark's, the model and the loss as one graph.)"""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from common.bench_model import loss_of, main, make_optimizer, train_step
@@ -23,17 +24,13 @@ def training_losses(loss_fn, steps: int = 20) -> list[float]:
     return [train_step(loss_fn, model, optimizer, x, y).item() for _ in range(steps)]
 
 
-def test_compiled_and_eager_losses_agree_over_20_steps():
+def test_the_benchmarked_training_step_trains():
+    """The step the benchmark times (loss_of, train_step, its optimizer) is a real
+    training step: 20 of them on one batch move the loss down by more than 0.5, and the
+    same seed gives the same losses."""
     eager = training_losses(loss_of)
-    compiled = training_losses(torch.compile(loss_of))
-    # training does move the loss (so a wrong compiled gradient would show) ...
     assert eager[-1] < eager[0] - 0.5
-    # ... and both agree step by step. Tolerance: both run in float32, but inductor's
-    # fused kernels sum in another order than eager's, so the two differ by rounding:
-    # about 1e-7 relative per step on this machine, growing slowly through AdamW. 1e-4
-    # leaves a wide margin for that on other CPUs, while a wrong gradient or update
-    # moves the loss by more than 1e-2 within a few steps.
-    assert compiled == pytest.approx(eager, rel=1e-4)
+    assert training_losses(loss_of, steps=3) == eager[:3]
 
 
 def test_benchmark_reports_mfu_against_the_measured_peak(capsys):

@@ -8,23 +8,24 @@ import pytest
 import torch
 
 from common.model import LlamaForCausalLM, get_config
-from conftest import TINY, load_script, python_cmd, read_json, read_jsonl, run
+from conftest import CH01_STEPS, NO_GPU, TINY, load_script, python_cmd, read_json, read_jsonl, \
+    refused, run
 
 SCRIPT = "02-data-parallel/train_llm.py"
-CH01 = "01-single-gpu/train_llm.py"
-STEPS = 10
-NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}  # the fallback is the lesson here, GPUs or not
+STEPS = CH01_STEPS  # the flags of chapter 01's reference run (conftest's ch01_smoke)
+# NO_GPU: the fallback is the lesson here, GPUs or not
 NOTE = "DataParallel needs 2+ GPUs, found 0: trained the plain module"
-RUNS = {"ch01": (CH01, []), "dp": (SCRIPT, []), "dp-loss-in-module": (SCRIPT, ["--loss-in-module"])}
+RUNS = {"dp": [], "dp-loss-in-module": ["--loss-in-module"]}
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Chapter 01 and chapter 02 (both loss placements) with the same flags."""
+def runs(tmp_path_factory, ch01_smoke):
+    """Chapter 02 (both loss placements) with the flags of chapter 01's reference run,
+    which is the "ch01" entry."""
     save_dir = tmp_path_factory.mktemp("ch02")
-    out = {}
-    for name, (script, extra) in RUNS.items():
-        proc = run(python_cmd(script, *TINY, "--max-steps", STEPS, "--save-dir", save_dir,
+    out = {"ch01": ch01_smoke[:2]}
+    for name, extra in RUNS.items():
+        proc = run(python_cmd(SCRIPT, *TINY, "--max-steps", STEPS, "--save-dir", save_dir,
                               "--experiment-name", name, *extra), env=NO_GPU)
         out[name] = (proc, save_dir / name)
     return out
@@ -62,12 +63,12 @@ def test_saved_weights_load_into_a_plain_model(runs, name):
     LlamaForCausalLM(get_config("tiny", vocab)).load_state_dict(state, strict=True)
 
 
-def test_device_ids_without_gpus_are_refused(tmp_path):
-    proc = run(python_cmd(SCRIPT, *TINY, "--device-ids", "0,1", "--save-dir", tmp_path / "out"),
-               env=NO_GPU, check=False)
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == \
-        ["error: argument --device-ids: names GPUs, but CUDA is not available here (see --help)"]
+def test_device_ids_without_gpus_are_refused(tmp_path, monkeypatch, capsys):
+    for k, v in NO_GPU.items():
+        monkeypatch.setenv(k, v)
+    line = refused(capsys, load_script(SCRIPT).parse_args,
+                   [*TINY, "--device-ids", "0,1", "--save-dir", tmp_path / "out"])
+    assert line == "error: argument --device-ids: names GPUs, but CUDA is not available here (see --help)"
     assert not (tmp_path / "out").exists()
 
 

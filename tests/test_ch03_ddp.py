@@ -12,7 +12,8 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, TINY, free_port, python_cmd, read_json, read_jsonl, run, torchrun_cmd
+from conftest import REPO, TINY, free_port, load_script, python_cmd, read_json, read_jsonl, refused, \
+    run, torchrun_cmd
 
 SCRIPT = "03-ddp/train_llm.py"
 CH01 = "01-single-gpu/train_llm.py"
@@ -161,13 +162,13 @@ def test_scaling_efficiency_against_an_explicit_baseline(accum, ch01_b16):
         summary["tokens_per_s_per_device"] / baseline["tokens_per_s"])
 
 
-def test_missing_baseline_file_is_refused(tmp_path):
+def test_missing_baseline_file_is_refused(tmp_path, monkeypatch, capsys):
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(k, v)
     missing = tmp_path / "nope.json"
-    proc = run(python_cmd(SCRIPT, *train_args(tmp_path / "out", "x", 8, "--baseline", missing)),
-               check=False)
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [
-        f"error: argument --baseline: '{missing}' does not exist or is not a file (see --help)"]
+    line = refused(capsys, load_script(SCRIPT).parse_args,
+                   train_args(tmp_path / "out", "x", 8, "--baseline", missing))
+    assert line == f"error: argument --baseline: '{missing}' does not exist or is not a file (see --help)"
     assert not (tmp_path / "out").exists()
 
 

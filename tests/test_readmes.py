@@ -1,10 +1,9 @@
 """The text tells the truth: links resolve, diff hunks are the real diffs, and every
-command in a chapter README runs (smoke-tested with tiny settings) unless it is marked
-as needing GPUs or several machines."""
+command in a chapter README parses through its script's own parser, and every runnable
+one runs: launched by the proof test that covers it, or here with tiny settings."""
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import subprocess
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run
+from conftest import REPO, load_script, run
 
 CHAPTERS = ["01-single-gpu", "02-data-parallel", "03-ddp", "04-checkpointing", "05-collectives"]
 READMES = [REPO / "README.md"] + [REPO / c / "README.md" for c in CHAPTERS]
@@ -111,50 +110,201 @@ def readme_commands(chapter: str) -> list[tuple[str, bool]]:
     return out
 
 
-def smoke_argv(command: str, save_dir: Path) -> tuple[list[str], dict]:
-    """The command as argv, with tiny settings appended and outputs/ redirected."""
+# Every runnable README command is either launched, in the same form, by the proof test
+# named here (same script, same launcher, at least the same flags; the test asserts what
+# the command is for), or run below. A new command must be added to one of the two.
+LAUNCHED_BY = {
+    "python 01-single-gpu/train_llm.py": "conftest.py::ch01_smoke",
+    "python 01-single-gpu/train_llm.py --padded --max-steps 30":
+        "test_ch01_single.py::test_runs_from_inside_the_chapter_folder",
+    "python 01-single-gpu/train_llm.py --grad-accum 2 --max-steps 30":
+        "test_ch01_single.py::test_runs_from_inside_the_chapter_folder",
+    "torchrun --standalone --nproc-per-node=1 01-single-gpu/train_llm.py --max-steps 20":
+        "test_ch01_single.py::test_runs_from_inside_the_chapter_folder",
+    "python 02-data-parallel/train_llm.py": "test_ch02_data_parallel.py::runs",
+    "torchrun --standalone --nproc-per-node=2 03-ddp/train_llm.py": "test_ch03_ddp.py::ddp",
+    "python 03-ddp/train_llm.py --max-steps 20": "test_ch03_ddp.py::accum",
+    "torchrun --nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:29400 "
+    "--rdzv-id=demo 03-ddp/train_llm.py --experiment-name two-nodes --max-steps 20":
+        "test_ch03_ddp.py::two_nodes",
+    "torchrun --standalone --nproc-per-node=2 04-checkpointing/train_llm.py --experiment-name ckpt-demo":
+        "ch04_runs.py::train",  # with --experiment-name
+    "torchrun --standalone --nproc-per-node=2 --max-restarts=3 04-checkpointing/train_llm.py "
+    "--experiment-name crash-demo --max-steps 30 --ckpt-freq 10 --crash-at-step 15 --log-freq 1":
+        'test_ch04_checkpointing.py::train(tmp_path, "--crash-at-step", CRASH, restarts=3)',
+    "torchrun --standalone --nproc-per-node=2 04-checkpointing/train_llm.py --experiment-name "
+    "crash-demo --max-steps 30 --ckpt-freq 10 --fresh": 'test_ch04_checkpointing.py::train(tmp_path, "--fresh")',
+    "torchrun --standalone --nproc-per-node=2 04-checkpointing/train_llm.py --experiment-name "
+    "crash-demo --max-steps 30 --ckpt-freq 10 --resume-from outputs/crash-demo/checkpoints/step-00000020":
+        'test_ch04_safety.py::"--resume-from", link',
+    "torchrun --standalone --nproc-per-node=2 04-checkpointing/train_llm.py --experiment-name "
+    "save-speed --model-preset base --seq-length 64 --batch-size 1 --max-steps 3 --ckpt-freq 1 "
+    "--keep-last 1": 'ch04_runs.py::"--keep-last", KEEP',
+    "torchrun --standalone --nproc-per-node=2 05-collectives/collectives_demo.py":
+        "test_ch05_collectives.py::test_every_collective_is_correct",
+    "torchrun --standalone --nproc-per-node=3 05-collectives/collectives_demo.py":
+        "test_ch05_collectives.py::test_every_collective_is_correct",
+    "torchrun --standalone --nproc-per-node=3 05-collectives/collectives_demo.py --op all_to_all":
+        "test_ch05_collectives.py::test_one_op_only",
+    "torchrun --standalone --nproc-per-node=3 05-collectives/collectives_demo.py --emulate":
+        "test_ch05_collectives.py::test_every_collective_is_correct",
+    "torchrun --standalone --nproc-per-node=2 05-collectives/bench_collectives.py":
+        "test_tour.py::test_short_real_tour",
+    "torchrun --standalone --nproc-per-node=2 05-collectives/ddp_from_scratch.py":
+        "test_tour.py::test_short_real_tour",
+    "torchrun --standalone --nproc-per-node=2 05-collectives/ddp_from_scratch.py --modes "
+    "naive,bucketed,overlap,ddp --steps 12":
+        "test_ch05_collectives.py::test_ddp_from_scratch_equals_ddp_bit_for_bit_on_2_ranks",
+    "torchrun --standalone --nproc-per-node=2 05-collectives/ddp_from_scratch.py --modes "
+    "bucketed,overlap,ddp --steps 12 --bucket-mb 4":
+        "test_ch05_collectives.py::test_ddp_from_scratch_equals_ddp_bit_for_bit_on_2_ranks",
+    "torchrun --standalone --nproc-per-node=2 05-collectives/sharded_from_scratch.py --steps 12":
+        "test_ch05_sharded.py::test_every_mode_equals_ddp_bit_for_bit_on_2_ranks",
+    "torchrun --standalone --nproc-per-node=4 05-collectives/sharded_from_scratch.py --steps 12":
+        "test_ch05_sharded.py::test_every_mode_equals_ddp_within_the_rounding_bound",
+    "torchrun --standalone --nproc-per-node=2 05-collectives/sharded_checkpoint.py --experiment-name dcp-demo":
+        "test_ch05_dcp.py::saved",
+    "torchrun --standalone --nproc-per-node=3 05-collectives/sharded_checkpoint.py --load outputs/dcp-demo":
+        "test_ch05_dcp.py::test_loaded_on_three_ranks_every_tensor_equals_the_saved_state",
+    "python 01-single-gpu/train_llm.py --dataset-name common/ --vocab-size 2048 --seq-length 128 --max-steps 50":
+        "test_ch01_single.py::test_max_steps_ends_the_run_whatever_num_epochs_says",
+    "python 01-single-gpu/train_llm.py --dataset-name \"*/README.md\" --vocab-size 1024 --seq-length 64 "
+    "--max-steps 50": "test_ch01_single.py::test_max_steps_ends_the_run_whatever_num_epochs_says",
+}
+
+
+def split_command(command: str, save_dir: Path) -> dict:
+    """A README line taken apart: environment, launcher, its options, script, script args
+    (outputs/ redirected to `save_dir`)."""
     words = shlex.split(command, comments=True)
     env = {}
+    if words[0] == "sudo":
+        words.pop(0)
     while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
         k, v = words.pop(0).split("=", 1)
         env[k] = v
     words = [w.replace("outputs/", f"{save_dir}/") for w in words]
-    if words[0] == "python":
-        argv = [sys.executable, *words[1:]]
-    elif words[0] == "torchrun":
-        argv = [sys.executable, "-m", "torch.distributed.run", *words[1:]]
+    launcher = words[0]
+    assert launcher in ("python", "torchrun"), \
+        f"README command starts with {launcher!r}: the test knows python and torchrun"
+    i = next(i for i, w in enumerate(words) if w.endswith(".py"))
+    return {"env": env, "launcher": launcher, "options": words[1:i], "script": words[i],
+            "args": words[i + 1:]}
+
+
+def option_value(options: list[str], name: str, default: str) -> str:
+    for i, w in enumerate(options):
+        if w.startswith(f"{name}="):
+            return w.split("=", 1)[1]
+        if w == name:
+            return options[i + 1]
+    return default
+
+
+_scripts = {}
+
+
+def script_module(script: str):
+    if script not in _scripts:
+        _scripts[script] = load_script(script)
+    return _scripts[script]
+
+
+def check_command_parses(command: str, runnable: bool, save_dir: Path, monkeypatch):
+    """The command as the script's own parser sees it, in this process: the script exists,
+    and (runnable commands) parse_args accepts the line as written, under the launcher's
+    environment; commands marked as needing GPUs or machines, or naming the outputs of an
+    earlier command, are checked flag by flag (their values need that hardware or run)."""
+    parts = split_command(command, save_dir)
+    script = parts["script"]
+    assert (REPO / script).is_file(), f"{command}: no script {script}"
+    parser_args = parts["args"]
+    module = script_module(script)
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    if parts["launcher"] == "torchrun":
+        world = int(option_value(parts["options"], "--nnodes", "1")) * \
+            int(option_value(parts["options"], "--nproc-per-node", "1"))
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setenv("LOCAL_RANK", "0")
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "readme")
+    if runnable and f"{save_dir}/" not in " ".join(parser_args):
+        extra = ["--save-dir", str(save_dir)] if "--save-dir" in _option_strings(module) else []
+        monkeypatch.setattr(sys, "argv", [script, *parser_args])
+        try:
+            module.parse_args([*parser_args, *extra])
+        except SystemExit as e:
+            pytest.fail(f"{command}: its parser refused it (exit {e.code})")
     else:
-        raise AssertionError(f"README command starts with {words[0]!r}: the test knows "
-                             f"python and torchrun")
-    script = next(w for w in words if w.endswith(".py"))
-    name = Path(script).name
+        known = _option_strings(module)
+        flags = [w.split("=")[0] for w in parser_args if w.startswith("--")]
+        assert set(flags) <= known, f"{command}: unknown flags {set(flags) - known}"
+
+
+def _option_strings(module) -> set[str]:
+    import argparse
+    seen = {}
+
+    def grab(self, args=None, namespace=None):
+        seen["parser"] = self
+        raise SystemExit(0)
+    original = argparse.ArgumentParser.parse_args
+    argparse.ArgumentParser.parse_args = grab
+    try:
+        module.parse_args([])
+    except SystemExit:
+        pass
+    finally:
+        argparse.ArgumentParser.parse_args = original
+    return {s for a in seen["parser"]._actions for s in a.option_strings}
+
+
+def smoke_argv(command: str, save_dir: Path) -> tuple[list[str], dict]:
+    """The command as argv, with tiny settings appended and outputs/ redirected."""
+    parts = split_command(command, save_dir)
+    if parts["launcher"] == "python":
+        argv = [sys.executable, *parts["options"]]
+    else:
+        argv = [sys.executable, "-m", "torch.distributed.run", *parts["options"]]
+    argv += [parts["script"], *parts["args"]]
+    name = Path(parts["script"]).name
     if name == "train_llm.py":
         argv += TRAIN_OVERRIDES + ["--save-dir", str(save_dir)]
     else:
         argv += SCRIPT_OVERRIDES[name]
         if name != "collectives_demo.py":
             argv += ["--save-dir", str(save_dir)]
-    return argv, env
+    return argv, parts["env"]
 
 
 @pytest.mark.parametrize("chapter", [*CHAPTERS, "."])
-def test_readme_commands_run(chapter, tmp_path):
+def test_readme_commands_parse_and_run(chapter, tmp_path, monkeypatch):
+    """Every command parses (in this process, through the script's own parser); the
+    runnable ones nothing else launches also run, with tiny settings."""
     commands = readme_commands(chapter)
     assert commands, f"{chapter}/README.md has no commands"
-    ran = 0
+    assert any(runnable for _, runnable in commands), \
+        f"{chapter}/README.md: every command is marked as needing special hardware"
+    monkeypatch.chdir(REPO)  # relative paths in the commands are from the repo root
+    for command, runnable in commands:
+        check_command_parses(command, runnable, tmp_path, monkeypatch)
+    monkeypatch.undo()
     for command, runnable in commands:
         if not runnable:
             continue
+        remark, command = command, re.sub(r"\s+#.*$", "", command)  # a remark after it
+        if command in LAUNCHED_BY:
+            file, _, where = LAUNCHED_BY[command].partition("::")
+            code = (REPO / "tests" / file).read_text()
+            assert (f"def {where}(" if where.isidentifier() else where) in code, \
+                f"{command}: {LAUNCHED_BY[command]} is gone; run the command here instead"
+            continue
+        assert "two terminals" not in remark, f"{command}: a two-node command is launched by a test"
         argv, env = smoke_argv(command, tmp_path)
-        if "two terminals" in command:
-            # two "nodes" that meet at one rendezvous: start both, wait for both
-            procs = [subprocess.Popen(argv, cwd=REPO, env={**os.environ, **env},
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                     for _ in range(2)]
-            outs = [p.communicate(timeout=300)[0] for p in procs]
-            for p, o in zip(procs, outs):
-                assert p.returncode == 0, f"{command}\n{o[-4000:]}"
-        else:
-            run(argv, env=env, timeout=600)
-        ran += 1
-    assert ran, f"{chapter}/README.md: every command is marked as needing special hardware"
+        run(argv, env=env, timeout=600)
+
+
+def test_launched_by_names_only_readme_commands():
+    commands = {re.sub(r"\s+#.*$", "", c) for ch in [*CHAPTERS, "."] for c, _ in readme_commands(ch)}
+    assert set(LAUNCHED_BY) <= commands, set(LAUNCHED_BY) - commands

@@ -184,14 +184,16 @@ def test_resumed_run_loss_curve_keeps_surviving_records(tmp_path):
         [(1, 5.0), (2, 4.1), (3, 3.0), (4, 2.0)]
 
 
-def test_nothing_to_report_exits_2(tmp_path):
+def test_nothing_to_report_exits_2(tmp_path, capsys):
+    """In this process (the command's own path, `python -m common.report`, is launched by
+    test_report_subprocess_default_out_and_single_device)."""
     empty = tmp_path / "empty"
     empty.mkdir()
     for target in (empty, tmp_path / "does-not-exist"):
-        proc = run([sys.executable, "-m", "common.report", target], check=False)
-        assert proc.returncode == 2
-        assert proc.stdout == ""
-        assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith("error:")
+        assert report.main([str(target)]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == ""
+        assert len(captured.err.strip().splitlines()) == 1 and captured.err.startswith("error:")
     assert not any(empty.iterdir())  # nothing written when there is nothing to report
 
 
