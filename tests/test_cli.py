@@ -59,6 +59,7 @@ def test_under_torchrun_the_default_name_is_the_job_id(tmp_path, monkeypatch):
     (["--model-preset", "huge"], "argument --model-preset: unknown 'huge'; choose one of: tiny"),
     (["--experiment-name", "../escape"], "--experiment-name '../escape' must use only"),
     (["--experiment-name", "a b"], "must use only letters"),
+    (["--experiment-name", "a" * 300], "--experiment-name is 300 characters long; 200 at most"),
     (["--vocab-size", "100"], "--vocab-size 100 is below"),
     (["--vocab-size", "2000000000"], "--vocab-size 2000000000 is above"),
     (["--dtype", "fp16"], "argument --dtype: unknown 'fp16'; choose one of: auto, fp32, bf16"),
@@ -69,6 +70,15 @@ def test_under_torchrun_the_default_name_is_the_job_id(tmp_path, monkeypatch):
 def test_bad_flags_are_refused_with_one_line(tmp_path, capsys, argv, message):
     assert message in refusal(capsys, tmp_path, *argv)
     assert not tmp_path.joinpath("01-single-gpu").exists()
+
+
+def test_a_quoted_tilde_in_save_dir_is_the_home_folder(tmp_path, monkeypatch):
+    """--save-dir '~/runs' (quoted, so the shell left it alone) means the home folder,
+    not a folder named '~' in the current one."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    args = base_parser("01-single-gpu", "test").parse_args(["--save-dir", "~/runs"])
+    assert args.save_dir == str(tmp_path / "runs") and not (tmp_path / "~").exists()
 
 
 def test_bf16_autocast_is_allowed_on_cpu(tmp_path):

@@ -90,6 +90,7 @@ def test_chapter_selection(tmp_path):
     (["--preset", "huge"], "--preset 'huge' is unknown"),
     (["--preset", "tiny", "--seq-length", "4096"], "exceeds"),
     (["--bogus"], "unrecognized arguments"),
+    (["--nproc", "1000"], "--nproc 1000: "),   # more processes than cores (or GPUs) make sense
 ])
 def test_bad_flags_exit_2_with_one_line_before_any_work(tmp_path, capsys, flags, message):
     out = tmp_path / "never"
