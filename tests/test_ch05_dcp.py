@@ -9,13 +9,14 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import load_script, run, torchrun_cmd
+from conftest import free_port, load_script, run, torchrun_cmd
 
 SCRIPT = "05-collectives/sharded_checkpoint.py"
 ckpt = load_script(SCRIPT)
@@ -40,11 +41,6 @@ def saved(tmp_path_factory):
 
 def copy_run(run_dir: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(run_dir, tmp_path / "copy"))
-
-
-def worker_tracebacks(proc) -> int:
-    """Tracebacks through the script itself (torchrun prints its own for a failed worker)."""
-    return (proc.stdout + proc.stderr).count(f'{Path(SCRIPT).name}", line')
 
 
 def test_each_rank_writes_its_own_part(saved):
@@ -123,14 +119,26 @@ def test_a_shard_dcp_cannot_read_is_one_line_not_a_traceback(saved, one_rank, tm
         and "__0_0.distcp" in err, err
 
 
-def test_a_deleted_shard_is_refused_by_the_manifest(saved, tmp_path):
+def test_a_deleted_shard_is_refused_by_the_manifest(saved, tmp_path, monkeypatch, capsys):
+    """The script's main() in this process, as torchrun would start one rank of it (its
+    variables set; main() makes the process group itself): no worker start-up to pay,
+    and the same path from flags to the verdict."""
     run_dir = copy_run(saved[0], tmp_path)
     (run_dir / STEP / "__1_0.distcp").unlink()
-    proc = launch(1, tmp_path, "x", "--load", run_dir, check=False)
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert proc.returncode != 0 and errors == [f"error: checkpoint {run_dir / STEP} is damaged: "
-                                               f"__1_0.distcp is missing; nothing was loaded"], proc.stderr
-    assert worker_tracebacks(proc) == 0 and not (tmp_path / "x").exists()
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(sys, "argv", [SCRIPT, *TINY, "--save-dir", str(tmp_path), "--experiment-name", "x",
+                                      "--load", str(run_dir)])
+    with pytest.raises(SystemExit) as stop:  # fail(): one line and exit status 2, no traceback
+        ckpt.main()
+    assert not dist.is_initialized()  # main() took its process group down on the way out
+    out, err = capsys.readouterr()
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert stop.value.code == 2 and errors == [f"error: checkpoint {run_dir / STEP} is damaged: "
+                                               f"__1_0.distcp is missing; nothing was loaded"], err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "x").exists()
 
 
 @pytest.mark.parametrize("flags, message", [
