@@ -70,11 +70,23 @@ def default_cache_dir() -> Path:
 
 # --------------------------------------------------------------------------- corpus
 
-@dataclass
 class Corpus:
-    name: str        # what the user asked for
-    identity: str    # changes whenever the text could have changed (cache key)
-    dataset: object  # datasets.Dataset with a "text" column
+    """A corpus's name, its identity (changes whenever the text could have changed: the
+    caches' key), and its text as a datasets.Dataset with a "text" column, built on first
+    use: once the tokenizer and the tokenized corpus are cached, a run never reads it."""
+
+    def __init__(self, name: str, identity: str, dataset=None, load=None):
+        self.name, self.identity, self._dataset, self._load = name, identity, dataset, load
+
+    @property
+    def dataset(self):
+        if self._dataset is None:
+            self._dataset = self._load()
+        return self._dataset
+
+    @dataset.setter
+    def dataset(self, value):
+        self._dataset = value
 
 
 def stdlib_files() -> list[Path]:
@@ -92,10 +104,13 @@ def _stdlib_corpus() -> Corpus:
     if not files:
         raise DataError(f"no Python standard library sources found under "
                         f"{sysconfig.get_paths()['stdlib']}; use a local path or a hub id")
-    texts = [p.read_text(encoding="utf-8", errors="replace") for p in files]
-    size = sum(len(t) for t in texts)
-    identity = f"stdlib-py{sys.version_info.major}.{sys.version_info.minor}-{len(files)}-{size}"
-    return Corpus("stdlib", identity, datasets.Dataset.from_dict({"text": texts}))
+    size = sum(p.stat().st_size for p in files)  # the identity, without reading the text
+    identity = f"stdlib-py{sys.version_info.major}.{sys.version_info.minor}-{len(files)}-{size}b"
+
+    def load():
+        texts = [p.read_text(encoding="utf-8", errors="replace") for p in files]
+        return datasets.Dataset.from_dict({"text": [t for t in texts if t.strip()]})
+    return Corpus("stdlib", identity, load=load)
 
 
 def looks_local(name: str) -> bool:
@@ -191,8 +206,8 @@ def check_dataset_name(name: str) -> None:
 def load_corpus(name: str, subset: str | None = None, text_column: str = "text") -> Corpus:
     check_dataset_name(name)
     if name == "stdlib":
-        corpus = _stdlib_corpus()
-    elif looks_local(name):
+        return _stdlib_corpus()  # text files of Python's own: read only when needed
+    if looks_local(name):
         try:
             corpus = _local_corpus(name, text_column)
         except DataError:
