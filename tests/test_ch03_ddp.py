@@ -173,24 +173,31 @@ def test_missing_baseline_file_is_refused(tmp_path, monkeypatch, capsys):
 
 
 def test_slurm_script_is_valid_bash_and_launches_what_the_readme_says(tmp_path):
-    """`bash -n`, then a dry run with stand-ins for scontrol and srun (they print what
-    they were given): one srun per node with the CPUs passed on, threads split among
-    the workers, and a rendezvous port of the job's own."""
+    """`bash -n`, then a dry run with stand-ins for scontrol, getent, hostname and srun
+    (srun runs its command, torchrun prints what it was given): one srun per node with the
+    CPUs passed on, the rendezvous at the first node's address on a port of the job's
+    own, each node's own address as --local-addr, and an early SIGTERM for chapter 04."""
     script = REPO / "03-ddp" / "slurm_ddp.sbatch"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    assert "#SBATCH --signal=TERM@120" in script.read_text()
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text("#!/bin/sh\necho node-a; echo node-b\n")
-    (bin_dir / "srun").write_text('#!/bin/sh\necho "OMP_NUM_THREADS=$OMP_NUM_THREADS srun $*"\n')
-    for f in bin_dir.iterdir():
-        f.chmod(0o755)
+    stand_ins = {"scontrol": "echo node-a; echo node-b",
+                 "getent": 'test "$2" = node-a && echo "10.0.0.1 STREAM node-a"',
+                 "hostname": 'test "$1" = -I && echo "10.0.0.2 172.17.0.1"',
+                 "srun": 'echo "srun $1"; shift; exec "$@"',
+                 "torchrun": 'echo "torchrun $*"'}
+    for name, body in stand_ins.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "123456",
            "SLURM_JOB_NODELIST": "node-[a-b]", "SLURM_NNODES": "2", "SLURM_CPUS_PER_TASK": "32"}
     out = subprocess.run(["bash", str(script)], cwd=REPO, env=env, capture_output=True,
-                         text=True, check=True).stdout
-    assert out.startswith("OMP_NUM_THREADS=4 srun --cpus-per-task=32 torchrun --nnodes=2 "
-                          "--nproc-per-node=8 --rdzv-id=123456 --rdzv-backend=c10d "
-                          "--rdzv-endpoint=node-a:23456 03-ddp/train_llm.py")
+                         text=True, check=True).stdout.splitlines()
+    assert out[0] == "srun --cpus-per-task=32"
+    assert out[1].startswith("torchrun --nnodes=2 --nproc-per-node=8 --rdzv-id=123456 "
+                             "--rdzv-backend=c10d --rdzv-endpoint=10.0.0.1:23456 "
+                             "--local-addr=10.0.0.2 03-ddp/train_llm.py --experiment-name ddp-123456")
 
 
 COUNT_COLLECTIVES = """
