@@ -182,7 +182,9 @@ def test_slurm_script_is_valid_bash_and_launches_what_the_readme_says(tmp_path):
     assert "#SBATCH --signal=TERM@120" in script.read_text()
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    stand_ins = {"scontrol": "echo node-a; echo node-b",
+    # scontrol writes its second line late: a reader that leaves after the first line
+    # (head) would kill it with SIGPIPE, which pipefail turns into a failed job
+    stand_ins = {"scontrol": "echo node-a; sleep 0.3; echo node-b",
                  "getent": 'test "$2" = node-a && echo "10.0.0.1 STREAM node-a"',
                  "hostname": 'test "$1" = -I && echo "10.0.0.2 172.17.0.1"',
                  "srun": 'echo "srun $1"; shift; exec "$@"',
