@@ -337,6 +337,13 @@ def size(n: float) -> str:
     return f"{n:.0f} B"
 
 
+def count(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return str(n)
+
+
 def duration(s: float) -> str:
     return f"{s * 1e3:,.3g} ms" if s < 1 else f"{s:,.3g} s"
 
@@ -348,26 +355,27 @@ def plan(args) -> str:
     shape = ("shape unknown (--params): no activations, no padding; fsdp2 counted as zero3" if c is None else
              f"{c.num_hidden_layers} layers, hidden {c.hidden_size}, {c.num_attention_heads} heads "
              f"({c.num_key_value_heads} KV), MLP {c.intermediate_size}, vocab {c.vocab_size}")
-    lines = [f"model: {model.num_params / 1e9:.3g} B parameters; {shape}",
-             f"{world} ranks ({args.nodes} node(s) x {args.gpus_per_node}); {args.batch_size} x {args.seq_length} "
+    lines = [f"model: {count(model.num_params)} parameters; {shape}",
+             f"{world} ranks ({args.nodes} x {args.gpus_per_node} GPUs); {args.batch_size} x {args.seq_length} "
              f"tokens per rank per step",
              f"precision {args.precision}: {p.what}", "",
-             "held per rank (the worst rank; activations: saved for backward, without / with activation "
+             "held per rank (the worst rank; one unit gathered: zero3 and fsdp2 hold a unit's full weights "
+             "and gradients while it computes; activations: saved for backward, without and with activation "
              "checkpointing of every decoder layer):", ""]
     rows = []
     for mode in args.modes:
         held = state_bytes(model, mode, world, p)
         state = sum(held.values())
+        gathered = gathered_unit_bytes(model, mode, world, p)
         if c is None:
             acts = ("n/a", "n/a", "n/a", "n/a")
         else:
             a = [activation_bytes(c, args.batch_size, args.seq_length, p, ckpt) for ckpt in (False, True)]
-            acts = (*map(size, a), size(state + a[0]), size(state + a[1]))
-        gathered = gathered_unit_bytes(model, mode, world, p)
+            acts = (*map(size, a), size(state + gathered + a[0]), size(state + gathered + a[1]))
         rows.append((mode, size(held["params"]), size(held["grads"]), size(held["optimizer"]), size(state),
-                     size(gathered) if gathered else "", acts[0], acts[1], acts[2], acts[3]))
-    lines.append(markdown_table(("mode", "params", "grads", "optimizer", "state", "+ unit gathered",
-                                 "activations", "act. (ckpt)", "state + act.", "state + act. (ckpt)"),
+                     size(gathered) if gathered else "", *acts))
+    lines.append(markdown_table(("mode", "params", "grads", "optimizer", "state", "one unit gathered",
+                                 "activations", "act. (ckpt)", "total", "total (ckpt)"),
                                 rows, right=range(1, 10)))
     lines += ["", f"sent per rank per step (ring algorithms), and its time at {args.busbw_gbps:g} GB/s busbw:", ""]
     rows = []
@@ -382,7 +390,7 @@ def plan(args) -> str:
     rows = []
     for mode in args.modes:
         save, resume = checkpoint_seconds(model, mode, args.nodes, world, args.disk_gbps, args.busbw_gbps)
-        who = "rank 0, one file (chapter 04)" if mode == "ddp" else f"every rank its part (DCP), {args.nodes} node(s)"
+        who = "rank 0, one file (chapter 04)" if mode == "ddp" else f"every rank its part (DCP), {args.nodes} node{'s' * (args.nodes > 1)}"
         rows.append((mode, who, duration(save), duration(resume)))
     lines.append(markdown_table(("mode", "written by", "save", "resume"), rows, right=(2, 3)))
     notes = []
