@@ -149,7 +149,7 @@ def test_the_command_prints_the_three_tables(capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--params", "0"], "argument --params: must be a whole number of parameters >= 1"),
-    (["--params", "-7e9"], "argument --params: must be a parameter count"),
+    (["--params=-7e9"], "argument --params: must be a parameter count"),
     (["--nodes", "0"], "argument --nodes: must be a whole number >= 1"),
     (["--busbw-gbps", "-1"], "argument --busbw-gbps: must be a finite number > 0"),
     (["--modes", "ddp,zero4"], "unknown zero4"),
