@@ -1,7 +1,8 @@
 """Chapter 05, sharding: ZeRO-1, ZeRO-3 and FSDP2 end with DDP's weights (bit for bit on
 2 ranks; on 3 and 4, within the bound that summation order allows, derived from fp64's
 rounding, lr, the steps and AdamW's eps, even at a large --lr), hold 1/N of the optimizer
-state, and send the bytes the textbook says; the shard layout keeps weight decay per
+state, and send the bytes the textbook says, which `python -m common.plan` computes to
+the byte; the shard layout keeps weight decay per
 element; a wrong weight or a wrong update fails the proof; each phase is announced; bad
 flags exit 2."""
 
