@@ -152,11 +152,13 @@ def state_bytes(model: Model, mode: str, world: int, p: Precision) -> dict:
 def gathered_unit_bytes(model: Model, mode: str, world: int, p: Precision) -> int:
     """zero3, fsdp2: the largest unit's gathered parameters and full gradients, held
     besides the shards while it computes (fsdp2's prefetching: up to two units)."""
-    if mode not in ("zero3", "fsdp2"):
-        return 0
-    size = {"zero3": lambda u: shard(sum(math.prod(s) for s in u), world) * world,
-            "fsdp2": lambda u: sum(fsdp2_local(s, world) * world for s in u)}[mode]
-    return max((p.comm + p.grad) * size(u) for u in model.units)
+    if mode == "zero3":
+        return max((p.comm + p.grad) * shard(sum(math.prod(s) for s in u), world) * world for u in model.units)
+    if mode == "fsdp2":  # the embedding, final norm and head are one unit: the root
+        root = [s for u, is_root in zip(model.units, model.root) if is_root for s in u]
+        units = [u for u, is_root in zip(model.units, model.root) if not is_root] + [root]
+        return max((p.comm + p.grad) * sum(fsdp2_local(s, world) * world for s in u) for u in units)
+    return 0
 
 
 # ---------------------------------------------------------------------- the traffic

@@ -48,6 +48,11 @@ def test_state_and_traffic_formulas():
     for mode in ("zero3", "fsdp2"):
         held = plan.state_bytes(m, mode, 4, FP32)
         assert held["params"] == held["grads"] == pytest.approx(n, rel=1e-3), mode
+    # while a unit computes: zero3's largest module (the embedding, the head), fsdp2's root
+    # unit (both, and the final norm)
+    assert plan.gathered_unit_bytes(m, "ddp", 4, FP32) == 0
+    assert plan.gathered_unit_bytes(m, "zero3", 4, FP32) == 8 * 8192 * 256
+    assert plan.gathered_unit_bytes(m, "fsdp2", 4, FP32) == 8 * (2 * 8192 * 256 + 256)
     # the ZeRO paper's mixed precision: 2 + 2 + 12 per parameter, the same 16 in all
     assert sum(plan.state_bytes(m, "ddp", 4, BF16).values()) == sum(ddp.values())
     assert plan.state_bytes(m, "zero1", 4, BF16)["optimizer"] == pytest.approx(12 * n / 4, rel=1e-3)
