@@ -277,14 +277,14 @@ def parse_args(argv=None):
     g.add_argument("--layers", type=positive_int, help="decoder layers")
     g.add_argument("--hidden-size", type=positive_int, help="d_model")
     g.add_argument("--heads", type=positive_int, help="attention (query) heads")
-    g.add_argument("--kv-heads", type=positive_int, help="key/value heads (default: --heads)")
+    g.add_argument("--kv-heads", type=positive_int, help="key/value heads (default: the preset's; without one, --heads)")
     g.add_argument("--intermediate-size", type=positive_int, help="the MLP's inner width")
     g.add_argument("--vocab-size", type=positive_int, default=8192, help="vocabulary (the head's rows)")
     g.add_argument("--params", type=number_of_params, default=None,
                    help="only a parameter count (7e9, 7B): no activations, no padding")
     g = p.add_argument_group("batch and cluster")
     g.add_argument("--seq-length", type=positive_int, default=2048, help="tokens per sample")
-    g.add_argument("--batch-size", type=positive_int, default=1, help="samples per step, per rank")
+    g.add_argument("--batch-size", type=positive_int, default=None, help="samples per step, per rank (default: 1)")
     g.add_argument("--global-batch-size", type=positive_int, default=None,
                    help="samples per step over all ranks (instead of --batch-size)")
     g.add_argument("--gpus-per-node", type=positive_int, default=8, help="ranks per node")
@@ -310,10 +310,13 @@ def parse_args(argv=None):
                              ", ".join("--" + f.replace("_", "-") for f in missing))
         args.world = args.gpus_per_node * args.nodes
         if args.global_batch_size is not None:
+            if args.batch_size is not None:
+                raise UsageError("give --batch-size (per rank) or --global-batch-size, not both")
             if args.global_batch_size % args.world:
                 raise UsageError(f"--global-batch-size {args.global_batch_size} is not divisible by the "
                                  f"{args.world} ranks ({args.nodes} node(s) x {args.gpus_per_node})")
             args.batch_size = args.global_batch_size // args.world
+        args.batch_size = args.batch_size or 1
         args.model = count_only(args.params) if args.params is not None else llama(config_of(args, shape))
     p.checks.append(check)
     return p.parse_args(argv)
