@@ -39,7 +39,7 @@ def test_benchmark_reports_mfu_against_the_measured_peak(capsys, tmp_path):
     """The table and its --json file hold the same rows; on a CPU no peak memory per step
     (the allocator's peak is CUDA's)."""
     main(["--presets", "tiny", "--seq-length", "32", "--batch-size", "2", "--iters", "1",
-          "--warmup", "0", "--no-compile", "--device", "cpu", "--json", tmp_path / "bench.json"])
+          "--warmup", "0", "--no-compile", "--device", "cpu", "--json", str(tmp_path / "bench.json")])
     out = capsys.readouterr().out
     assert "MFU against" in out and "(measured fp32 matmul peak)" in out
     assert "torch.compile took" not in out   # --no-compile: no compile, no compiled rows
