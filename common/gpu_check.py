@@ -3,6 +3,7 @@
     python -m common.gpu_check --download-wheels     # here, online: the wheels a GPU machine lacks
     python -m common.gpu_check --out gpu-results     # on the GPU machine, offline
     python -m common.gpu_check --out gpu-results --dry-run   # the steps, without running them
+    python -m common.gpu_check --out suite --no-bench -k "not chapter_05"   # a part of it
 
 On the GPU machine it (1) installs what cannot be imported there (`datasets`, say) from
 the wheels brought along in `.whl/` (`pip install --no-index --find-links`: no registry
@@ -68,8 +69,9 @@ def missing_modules(names=NEEDED) -> list[str]:
 
 
 def plan(out: Path, missing: list[str], wheels: Path = WHEELS, tests: bool = True,
-         bench: bool = True) -> list[Step]:
-    """The steps of a run, in order: install what is missing, the GPU suite, the benchmark."""
+         bench: bool = True, select: str | None = None) -> list[Step]:
+    """The steps of a run, in order: install what is missing, the GPU suite (only its tests
+    that pytest's `-k select` picks, if given), the benchmark."""
     py = sys.executable
     steps = []
     if missing:
@@ -77,7 +79,8 @@ def plan(out: Path, missing: list[str], wheels: Path = WHEELS, tests: bool = Tru
                                       *missing], "install.log", timeout_s=900))
     if tests:
         steps.append(Step("gpu tests", [py, "-m", "pytest", "-q", "-m", "gpu", "tests/",
-                                        f"--junitxml={out / 'gpu_tests.xml'}"], "gpu_tests.log",
+                                        f"--junitxml={out / 'gpu_tests.xml'}",
+                                        *(["-k", select] if select else [])], "gpu_tests.log",
                           env={"LLM_GUIDE_GPU_RESULTS": str(out)}))
     if bench:
         steps.append(Step("bench_model", [py, "-m", "common.bench_model", *BENCH_ARGS,
@@ -172,6 +175,8 @@ def parse_args(argv=None):
     p.add_argument("--wheels", type=Path, default=WHEELS, help="the wheels to install from")
     p.add_argument("--no-tests", action="store_true", help="skip the GPU test suite")
     p.add_argument("--no-bench", action="store_true", help="skip the model benchmark")
+    p.add_argument("-k", dest="select", default=None,
+                   help="only the GPU tests this pytest -k expression selects (e.g. 'chapter_05')")
     p.add_argument("--download-wheels", action="store_true",
                    help="instead: download the wheels for the GPU machine into --wheels (needs PyPI)")
     p.add_argument("--python-version", default="3.12", help="with --download-wheels: the GPU machine's Python")
@@ -196,7 +201,8 @@ def main(argv=None) -> int:
         return download_wheels(args.wheels, args.python_version, list(NEEDED), exclude)
     out = args.out.resolve()
     missing = missing_modules()
-    steps = plan(out, missing, args.wheels, tests=not args.no_tests, bench=not args.no_bench)
+    steps = plan(out, missing, args.wheels, tests=not args.no_tests, bench=not args.no_bench,
+                 select=args.select)
     if missing and not args.wheels.is_dir():
         fail(f"cannot import {', '.join(missing)}, and there are no wheels in {args.wheels} to install "
              f"from (python -m common.gpu_check --download-wheels, where PyPI is reachable)")

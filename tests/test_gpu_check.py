@@ -32,6 +32,8 @@ def test_only_what_cannot_be_imported_is_installed_offline(tmp_path):
                                  "datasets"]
     gpu_tests = gpu_check.plan(tmp_path, [], bench=False)[0]
     assert gpu_tests.env == {"LLM_GUIDE_GPU_RESULTS": str(tmp_path)}  # where the tests record
+    [some] = gpu_check.plan(tmp_path, [], bench=False, select="ch05")
+    assert some.argv[-2:] == ["-k", "ch05"] and "-k" not in gpu_tests.argv
 
 
 def test_refusals_are_one_line_before_anything_is_made(tmp_path, capsys):
