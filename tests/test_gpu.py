@@ -16,10 +16,11 @@ CUDA in bf16 autocast, a matmul's output is rounded to 8 significant bits (2**-8
 4e-3 relative), and two computations that add the same numbers in another order (fused
 kernels, another batch split, another GEMM kernel) round differently, so the tests allow
 2e-2 of the loss per logged step (5e-3 at step 1) and 1e-1 of the gradient norm, a
-noisier sum; each run records the difference it measured. Some CUDA backward kernels
-also add with atomics in no fixed order (flash attention's, for one), so two identical
-runs may differ in the last bits: resume is bit-exact on CUDA only where two
-uninterrupted runs are (the test measures both and says which).
+noisier sum; each run records the difference it measured. Some CUDA kernels may also
+add with atomics in no fixed order (`torch.use_deterministic_algorithms` lists them;
+memory-efficient attention's backward is one), so two identical runs can differ in the
+last bits: resume is bit-exact on CUDA only where two uninterrupted runs are (the test
+measures both and says which).
 """
 
 from __future__ import annotations
