@@ -114,16 +114,24 @@ def nvidia_smi() -> dict:
     except (OSError, subprocess.TimeoutExpired):
         return {}
     rows = [[c.strip() for c in line.split(",")] for line in out.stdout.splitlines() if line.strip()]
-    return {"gpus": [r[0] for r in rows], "driver": rows[0][1] if rows else None,
+    return {"gpus": [r[0] for r in rows], "driver": rows[0][1] if rows and len(rows[0]) > 1 else None,
             "memory_total": rows[0][2] if rows and len(rows[0]) > 2 else None}
 
 
+def commit() -> str | None:
+    """The repository's commit, where this is a git checkout with git installed."""
+    try:
+        git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    except OSError:
+        return None
+    return git.stdout.strip() if git.returncode == 0 else None
+
+
 def environment() -> dict:
-    git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
     return {"date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "host": socket.gethostname(),
             "python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
             "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-            "nvidia_smi": nvidia_smi(), "commit": git.stdout.strip() if git.returncode == 0 else None}
+            "nvidia_smi": nvidia_smi(), "commit": commit()}
 
 
 def targets(results: dict) -> list[dict]:

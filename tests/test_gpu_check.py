@@ -61,3 +61,10 @@ def test_targets_are_read_from_the_results():
     assert got == {"chapter 01, base, seq 1024, compiled": (0.43, True),
                    "chapter 01, base, seq 1024, eager": (0.21, False),
                    "chapter 03 at world size 1 on nccl": (None, None)}  # not measured
+
+
+def test_the_environment_says_what_ran_where():
+    env = gpu_check.environment()
+    assert env["torch"] == gpu_check.torch.__version__ and env["python"] == sys.version.split()[0]
+    assert env["date_utc"][:2] == "20" and env["cuda_devices"] == []  # no GPU here
+    assert env["commit"] is None or len(env["commit"]) == 40
