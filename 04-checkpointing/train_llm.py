@@ -180,6 +180,11 @@ def main():
     log.info("model: %s preset, %.2f M parameters (%s)", args.model_preset, n_params / 1e6,
              describe(config))
     raw_model = model  # the bare module: its weights are what we save
+    # --compile: the module, in place, before DDP wraps it: dynamo's DDP optimizer then cuts
+    # its graph at the buckets' borders, so all-reduces still start during backward. (A
+    # compiled loss function around DDP, chapter 01's way, breaks at DDP's forward.)
+    if args.compile:
+        model.compile()
     if distributed:
         # DDP broadcasts rank 0's weights to every rank, then registers hooks that
         # all-reduce gradients bucket by bucket while backward is still running.
@@ -190,8 +195,6 @@ def main():
     # --max-steps wins, with as many epochs as it takes; 0 = --num-epochs whole epochs
     total_steps = args.max_steps or args.num_epochs * steps_per_epoch
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup_steps, total_steps))
-    # --compile: model and loss as one graph (under DDP, compiled after wrapping)
-    loss_fn = torch.compile(compute_loss) if args.compile else compute_loss
     global_batch = args.batch_size * world_size * args.grad_accum
     tokens_per_step = global_batch * args.seq_length  # processed, padding included
     log.info("training %d steps (%.2f epochs of %d); batch %d = %d x world %d x grad-accum %d, "
@@ -262,7 +265,7 @@ def main():
                     model.require_backward_grad_sync = micro == args.grad_accum - 1
                 with tracker.phase("forward"):
                     with autocast:
-                        loss = loss_fn(model, x, y, attn_mask) * world_size / n_tokens
+                        loss = compute_loss(model, x, y, attn_mask) * world_size / n_tokens
                 with tracker.phase("backward"):
                     loss.backward()
                 loss_sum += loss.detach()  # stays on the device: no host sync per step
