@@ -224,7 +224,7 @@ def main():
     config = get_config(args.model_preset, data.vocab_size)
     tokens_per_step = world * args.batch_size * args.seq_length
     # bf16 autocast on GPUs as in the chapter (weights and gradients stay fp32), fp32 on CPUs
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     replicas = {name: Replica(name, kwargs, hook, config, device, args.seed, args.lr)
                 for name, (kwargs, hook) in settings(args).items()}
     n_params = num_parameters(replicas["default"].raw)
