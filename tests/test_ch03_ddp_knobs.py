@@ -1,5 +1,6 @@
 """Chapter 03's DDP knobs, from one launch on gloo (tiny preset, 4 steps), on what does
-not depend on the machine's load: the all-reduces per step fall as bucket_cap_mb grows,
+not depend on the machine's load: one bucket in the first step, then the all-reduces
+per step fall as bucket_cap_mb grows,
 every fp32 setting sends each gradient once, the bf16 hook sends exactly half the bytes,
 gradient_as_bucket_view leaves no gradient outside DDP's buckets, and every fp32 setting
 trains to the same losses bit for bit (2 ranks) while bf16 differs, slightly."""
@@ -43,7 +44,11 @@ def test_each_gradient_is_sent_once_and_bf16_sends_half(knobs):
         if name != "bf16 hook":
             assert r["bytes_per_step"] == fp32_bytes, name
     assert s["bf16 hook"]["bytes_per_step"] * 2 == fp32_bytes
+    for name in ("static_graph", "gradient_as_bucket_view"):  # the default's buckets
+        assert s[name]["bucket_mib"] == s["default"]["bucket_mib"], name
     assert s["bf16 hook"]["allreduces_per_step"] == s["default"]["allreduces_per_step"]
+    for r in s.values():  # before DDP rebuilds its buckets in backward's order: one for all
+        assert r["allreduces_first_step"] == 1
 
 
 def test_gradient_as_bucket_view_saves_one_gradient_copy(knobs):
