@@ -279,11 +279,11 @@ def check_device(device: str) -> None:
 
 def script_parser(name: str, description: str, *, min_world: int = 2,
                   run_folder: bool = True, training: bool = False) -> Parser:
-    """The flags and checks the chapter 05 scripts share: torchrun with at least
-    `min_world` processes, --timeout, (if `run_folder`) --save-dir and --experiment-name
-    (default `<name>-<timestamp>`), and (if `training`) the model and data flags of the
-    scripts that train: --model-preset, --seq-length, --batch-size, --lr, --seed,
-    --dataset-name."""
+    """The flags and checks the demo scripts (chapter 05's, chapter 03's debug_hang.py)
+    share: torchrun with at least `min_world` processes, --timeout, (if `run_folder`)
+    --save-dir and --experiment-name (default `<name>-<timestamp>`), and (if `training`)
+    the model and data flags of the scripts that train: --model-preset, --seq-length,
+    --batch-size, --lr, --seed, --dataset-name."""
     p = Parser(description=description)
     if training:
         p.add_argument("--model-preset", default="small", type=one_of(*PRESETS), help="model size")
@@ -312,7 +312,8 @@ def script_parser(name: str, description: str, *, min_world: int = 2,
         p.checks.append(lambda args: check_run_folder(args, name))
 
     def check_torchrun(args):
-        script = f"05-collectives/{sys.argv[0].rsplit('/', 1)[-1]}"
+        script = Path(sys.argv[0]).resolve()
+        script = script.relative_to(REPO_ROOT) if script.is_relative_to(REPO_ROOT) else sys.argv[0]
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             raise UsageError(f"launch with torchrun, e.g. torchrun --standalone "
                              f"--nproc-per-node={min_world} {script}")

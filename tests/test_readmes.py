@@ -126,6 +126,11 @@ LAUNCHED_BY = {
     "python 02-data-parallel/train_llm.py": "test_ch02_data_parallel.py::runs",
     "torchrun --standalone --nproc-per-node=2 03-ddp/train_llm.py": "test_ch03_ddp.py::ddp",
     "python 03-ddp/train_llm.py --max-steps 20": "test_ch03_ddp.py::accum",
+    "torchrun --standalone --nproc-per-node=2 03-ddp/ddp_knobs.py": "test_ch03_ddp_knobs.py::knobs",
+    "TORCH_DISTRIBUTED_DEBUG=DETAIL torchrun --standalone --nproc-per-node=2 03-ddp/debug_hang.py":
+        "test_ch03_debug_hang.py::test_detail_names_the_mismatched_collective_on_both_ranks",
+    "TORCH_DISTRIBUTED_DEBUG=DETAIL torchrun --standalone --nproc-per-node=2 03-ddp/debug_hang.py "
+    "--failure hang --timeout 12": "test_ch03_debug_hang.py::test_a_hang_shows_every_stack_and_detail_names_the_missing_rank",
     "torchrun --nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:29400 "
     "--rdzv-id=demo 03-ddp/train_llm.py --experiment-name two-nodes --max-steps 20":
         "test_ch03_ddp.py::two_nodes",
