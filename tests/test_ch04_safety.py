@@ -95,7 +95,7 @@ def test_a_second_job_on_the_same_folder_is_refused(tmp_path):
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; from common.runfolder import claim_run_folder; "
          "claim_run_folder(__import__('pathlib').Path(sys.argv[1])); print('held', flush=True); "
-         "time.sleep(60)", str(tmp_path / NAME)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+         "time.sleep(600)", str(tmp_path / NAME)], cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
         proc = train(tmp_path, check=False)
