@@ -286,7 +286,7 @@ def main():
                 tracker.log(step, epoch=epoch, loss=loss_sum.item(), lr=scheduler.get_last_lr()[0],
                             grad_norm=grad_norm.item())
 
-            stopped = stop.agreed()  # every rank asks after every step: all stop together
+            stopped = stop.agreed(last_step=step == total_steps)  # all ranks vote: all stop together
             if step == total_steps or stopped or (args.ckpt_freq and step % args.ckpt_freq == 0):
                 # where the data stands: this epoch (its shuffle) and the steps done in it
                 train_state.step, train_state.epoch, train_state.step_in_epoch = step, epoch, in_epoch + 1
