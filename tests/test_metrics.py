@@ -194,6 +194,15 @@ def test_metrics_writer_lines_are_on_disk_at_once(tmp_path):
     assert [r["step"] for r in read_metrics(path)] == [1, 2, 3]
 
 
+
+def test_a_line_that_is_not_utf8_or_too_deep_is_skipped(tmp_path):
+    """A metrics.jsonl with a line in another encoding and one nested past the JSON
+    parser's depth still reads (a resume rewrites the file from these records)."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"step": 1, "loss": 2.5}\n{"step": 2, "note": "caf\xe9"}\n'
+                     + b"[" * 100_000 + b"\n" + b'{"step": 3, "loss": 2.0}\n')
+    assert [r["step"] for r in read_metrics(path)] == [1, 3]
+
 def test_write_json_is_atomic(tmp_path, monkeypatch):
     path = tmp_path / "summary.json"
     write_json(path, {"a": 1})
