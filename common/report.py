@@ -30,7 +30,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .cli import DEFAULT_SAVE_DIR, Parser
+from .cli import DEFAULT_SAVE_DIR, Parser, check_writable_folder
+from .errors import UsageError
+from .jsonfiles import read_metrics
 from .tables import format_flops, markdown_table
 from .timing import PHASES
 
@@ -82,15 +84,12 @@ def find_summaries(paths, include_archived: bool = False) -> list[Path]:
 def read_loss_curve(path: Path) -> list[dict]:
     """Records of metrics.jsonl that carry a loss, one per step. A resumed run (chapter 04)
     logs the steps between its last checkpoint and the crash twice; the later record
-    (the run that survived) wins. A torn last line is ignored rather than fatal."""
+    (the run that survived) wins. A torn or unreadable line, or a non-finite loss (a
+    diverged step), is left out rather than fatal."""
     by_step: dict[int, dict] = {}
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(rec, dict) and isinstance(rec.get("step"), (int, float)) \
-                and isinstance(rec.get("loss"), (int, float)) and math.isfinite(rec["step"]):
+    for rec in read_metrics(path):  # lines that are not JSON (torn, binary) are skipped
+        if isinstance(rec.get("step"), (int, float)) and isinstance(rec.get("loss"), (int, float)) \
+                and math.isfinite(rec["step"]) and math.isfinite(rec["loss"]):
             by_step[int(rec["step"])] = rec
     return [by_step[s] for s in sorted(by_step)]
 
@@ -109,11 +108,11 @@ def load_runs(summary_paths, warn=None) -> list[Run]:
             if missing:
                 raise ValueError(f"missing keys {', '.join(missing)}")
             numbers = [summary["tokens_per_s"], *(summary["step_time_s"].get(p) for p in PHASES)]
-            if not all(isinstance(v, (int, float)) for v in numbers):
-                raise ValueError("tokens_per_s or a step_time_s phase is not a number")
+            if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in numbers):
+                raise ValueError("tokens_per_s or a step_time_s phase is not a finite number")
             run = Run(path, summary)
             table_rows([run])  # every cell must format: fail here, not halfway through
-        except (OSError, UnicodeDecodeError, ValueError, TypeError, KeyError, AttributeError) as e:
+        except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
             warn(f"warning: skipping {path}: {e}")
             continue
         metrics_path = path.with_name("metrics.jsonl")
@@ -416,8 +415,12 @@ def main(argv=None) -> int:
         out = out.parent if out.is_file() else out
     else:
         out = DEFAULT_SAVE_DIR / "report"
-    if out.exists() and not out.is_dir():
-        print(f"error: --out {str(out)!r} exists and is not a folder", file=sys.stderr)
+    try:
+        if out.exists() and not out.is_dir():
+            raise UsageError(f"--out {str(out)!r} exists and is not a folder")
+        check_writable_folder(out, "--out")
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     try:
         summaries = find_summaries(paths, include_archived=args.include_archived)
@@ -429,7 +432,11 @@ def main(argv=None) -> int:
     if not runs:
         print(f"error: no readable summary.json under {', '.join(paths)}", file=sys.stderr)
         return 2
-    text, files = write_report(runs, out)
+    try:
+        text, files = write_report(runs, out)
+    except OSError as e:  # the disk filled up, or the folder changed meanwhile
+        print(f"error: writing the report into {out} failed: {e.strerror or e}", file=sys.stderr)
+        return 1
     print(text)
     print(f"\nwrote {', '.join(f.name for f in files)} to {out}")
     if left_out:

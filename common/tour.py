@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import report
-from .cli import DEFAULT_SAVE_DIR, REPO_ROOT, Parser
+from .cli import DEFAULT_SAVE_DIR, REPO_ROOT, Parser, check_writable_folder
 from .errors import UsageError
 from .model import PRESETS
 from .tables import markdown_table
@@ -134,6 +134,7 @@ def parse_args(argv=None, gpus: int | None = None) -> argparse.Namespace:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UsageError(f"--out {str(out)!r} already exists and is not an empty folder; "
                          f"choose another or remove it")
+    check_writable_folder(out, "--out")  # read-only or under a file: say so now, not at the end
     args.out_dir = out.resolve()
     return args
 

@@ -314,3 +314,50 @@ def test_odd_but_harmless_inputs_do_not_stop_the_report(tmp_path):
     class Run:
         name, summary = "r", {"notes": "one note"}
     assert notes_section([Run()]) == ["- r: one note"]
+
+
+def test_broken_runs_beside_a_good_one_still_give_a_report(tmp_path, capsys):
+    """Runs with an infinite tokens/s, a NaN step time, a binary metrics.jsonl, or a
+    summary nested past the JSON parser's depth: each is skipped or read around with one
+    warning line, and the report of the rest is written."""
+    root = tmp_path / "runs"
+    phases = {"data": 0.01, "forward": 0.1, "backward": 0.2, "update": 0.05}
+    for name in ("good", "inf", "nan", "binary"):
+        fake_run(root / name, "01-single-gpu", world=1, tokens=1024, phases=phases,
+                 final_loss=2.5, losses=[3.0, float("nan"), 2.5])
+    for name, key, value in (("inf", "tokens_per_s", float("inf")), ("nan", "step_time_s", None)):
+        s = json.loads((root / name / "summary.json").read_text())
+        if value is None:
+            s[key]["forward"] = float("nan")
+        else:
+            s[key] = value
+        (root / name / "summary.json").write_text(json.dumps(s))  # NaN and Infinity, as Python writes them
+    (root / "binary" / "metrics.jsonl").write_bytes(bytes(range(256)) * 8)
+    (root / "deep").mkdir()
+    (root / "deep" / "summary.json").write_text("[" * 100_000 + "]" * 100_000)
+    assert report.main([str(root), "--out", str(tmp_path / "out")]) == 0
+    captured = capsys.readouterr()
+    rows = table_rows(captured.out)
+    assert sorted(r[1] for r in rows) == ["binary", "good"]
+    warnings = captured.err.splitlines()
+    assert len(warnings) == 3 and all(w.startswith("warning: skipping") for w in warnings), warnings
+    assert not any(w.startswith("Traceback") for w in warnings)
+    for name in report.PLOTS:
+        assert_png(tmp_path / "out" / name)
+
+
+def test_an_out_folder_that_cannot_be_written_is_one_line(runs_dir, tmp_path, capsys, monkeypatch):
+    """Under a file, or on a read-only file system: one line, exit 2, before any work."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert report.main([str(runs_dir), "--out", str(blocker / "report")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--out" in err and "is a file" in err, err
+
+    def read_only(*args, **kwargs):
+        raise OSError(30, "Read-only file system")
+    monkeypatch.setattr("common.cli.tempfile.mkstemp", read_only)
+    assert report.main([str(runs_dir), "--out", str(tmp_path / "report")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Read-only file system" in err, err
+    assert not (tmp_path / "report").exists()

@@ -105,6 +105,22 @@ def test_bad_flags_exit_2_with_one_line_before_any_work(tmp_path, capsys, flags,
     assert not out.exists()
 
 
+
+def test_an_out_folder_that_cannot_be_written_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert tour.main(["--out", str(blocker / "tour")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--out" in err and "is a file" in err, err
+
+    def read_only(*args, **kwargs):
+        raise OSError(30, "Read-only file system")
+    monkeypatch.setattr("common.cli.tempfile.mkstemp", read_only)
+    assert tour.main(["--out", str(tmp_path / "tour")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert "Read-only file system" in captured.err and not (tmp_path / "tour").exists()
+
 def test_bad_flag_from_the_command_line(tmp_path):
     proc = run([sys.executable, "-m", "common.tour", "--chapters", "01,06"], check=False)
     assert proc.returncode == 2 and proc.stdout == ""
