@@ -147,6 +147,13 @@ def _threads(s: dict) -> str:
     return f"{t} × {procs}" if procs is not None else str(t)
 
 
+def busy(s: dict) -> bool:
+    """The machine's load went above its cores during the run: other work took CPU time
+    from it, so its speed is not comparable."""
+    load, cores = s.get("load_avg_max"), s.get("cpu_cores")
+    return isinstance(load, (int, float)) and isinstance(cores, int) and load > cores
+
+
 def _load(s: dict) -> str:
     """'5.3/2 !': the highest load average during the run over the machine's cores;
     '!' when the load went above the cores (the run shared its CPU)."""
@@ -155,7 +162,7 @@ def _load(s: dict) -> str:
         return "-"
     if cores is None:
         return f"{load:.1f}"
-    return f"{load:.1f}/{cores}" + (" !" if load > cores else "")
+    return f"{load:.1f}/{cores}" + (" !" if busy(s) else "")
 
 
 def table_rows(runs: list[Run]) -> list[dict]:
@@ -184,6 +191,7 @@ def table_rows(runs: list[Run]) -> list[dict]:
             "data": _cell(_dict(s.get("data")).get("form")),
             "tokens/step": _num(s.get("tokens_per_step"), 0),
             "tokens/s": _num(s["tokens_per_s"], 0),
+            "real tokens/s": _num(s.get("real_tokens_per_s"), 0).replace("n/a", "-"),
             "tokens/s/device": _num(s["tokens_per_s_per_device"], 0),
             **{f"{p} ms": _num(st[p], 1, 1e3) for p in PHASES},
             "step ms": _num(st.get("total", sum(st[p] for p in PHASES)), 1, 1e3),
@@ -235,7 +243,9 @@ def render_report(runs: list[Run]) -> str:
                  "seq, batch (per process), accum (gradient accumulation steps) and data "
                  "(packed/padded) are the run's settings; threads = threads per process × "
                  "processes on the machine; load/cores = the highest load average during "
-                 "the run over the machine's cores, ! when above them. "
+                 "the run over the machine's cores, ! when above them (a busy machine: "
+                 "speeds not comparable). real tokens/s (--padded runs) leaves the padding "
+                 "out: what the padding costs. "
                  "Peak memory: CUDA = allocator peak per GPU, RSS = peak resident set of "
                  "one process. MFU = model FLOP/s per device over the peak FLOP/s: a "
                  "known GPU's datasheet peak, else the matmul peak measured on the device "
@@ -269,12 +279,34 @@ def _save(plt, fig, path: Path) -> Path:
     return path
 
 
+BUSY_MARK = "! busy"
+
+
+def row_labels(runs: list[Run]) -> list[str]:
+    """A bar row's label: the run, its device and, where the machine was busy during the
+    run (as the table's `!`), a mark saying its speed is not comparable."""
+    return [f"{_short(r.name)} ({r.summary['device']} × {r.summary['num_devices']})"
+            + (f" {BUSY_MARK}" if busy(r.summary) else "") for r in runs]
+
+
+def tokens_labels(runs: list[Run]) -> list[str]:
+    """The value beside a tokens/s bar: '12,345', '12,345 (8,765 real)' for a --padded run,
+    and the busy mark where the run shared its machine."""
+    labels = []
+    for r in runs:
+        s = r.summary
+        text = f"{s['tokens_per_s']:,.0f}"
+        if isinstance(s.get("real_tokens_per_s"), (int, float)):
+            text += f" ({s['real_tokens_per_s']:,.0f} real)"
+        labels.append(text + (f"  {BUSY_MARK}: not comparable" if busy(s) else ""))
+    return labels
+
+
 def _bar_figure(plt, runs, title: str, xlabel: str):
     """One horizontal bar row per run, the first run on top; labels = run names."""
     fig, ax = plt.subplots(figsize=(FIG_WIDTH_IN, 1.6 + ROW_IN * len(runs)),
                            layout="constrained")
-    ax.set_yticks(range(len(runs)), [f"{_short(r.name)} ({r.summary['device']} × "
-                                     f"{r.summary['num_devices']})" for r in runs])
+    ax.set_yticks(range(len(runs)), row_labels(runs))
     ax.set_ylim(len(runs) - 0.5, -0.5)
     ax.set_xlabel(xlabel)
     ax.set_title(title)
@@ -320,9 +352,17 @@ def plot_tokens_per_s(runs: list[Run], path: Path) -> Path:
     with plt.rc_context({"font.size": FONT_SIZE}):
         fig, ax = _bar_figure(plt, runs, "Training throughput", "tokens/s (whole global batch)")
         bars = ax.barh(range(len(runs)), values,
-                       color=[colours[str(r.summary["device_name"])] for r in runs])
-        ax.bar_label(bars, labels=[f"{v:,.0f}" for v in values], padding=3)
-        ax.set_xlim(0, 1.15 * max(max(values), 1e-9))  # room for the value labels
+                       color=[colours[str(r.summary["device_name"])] for r in runs],
+                       hatch=["//" if busy(r.summary) else "" for r in runs])
+        # a --padded run's real tokens: a thin dark bar inside its bar
+        real = [r.summary.get("real_tokens_per_s") for r in runs]
+        rows = [i for i, v in enumerate(real) if isinstance(v, (int, float))]
+        if rows:
+            ax.barh(rows, [real[i] for i in rows], height=0.3, color="black", alpha=0.55,
+                    label="real tokens (padding left out)")
+            ax.legend(loc="lower right")
+        ax.bar_label(bars, labels=tokens_labels(runs), padding=3)
+        ax.set_xlim(0, 1.6 * max(max(values), 1e-9))  # room for the value labels
         # one legend entry per device, so bars of different hardware are not read as equals
         handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
         fig.legend(handles, list(colours), loc="outside lower center",

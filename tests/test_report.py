@@ -361,3 +361,23 @@ def test_an_out_folder_that_cannot_be_written_is_one_line(runs_dir, tmp_path, ca
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Read-only file system" in err, err
     assert not (tmp_path / "report").exists()
+
+
+def test_busy_and_padded_runs_are_marked_in_the_plot_as_in_the_table(tmp_path, capsys):
+    """A run on a busy machine carries the table's mark in the tokens/s plot too (not a
+    bare bar that looks twice as fast), and a --padded run shows its real tokens/s."""
+    root = tmp_path / "runs"
+    phases = {"data": 0.01, "forward": 0.1, "backward": 0.2, "update": 0.05}
+    fake_run(root / "quiet", "01-single-gpu", world=1, tokens=1024, phases=phases, final_loss=2.5,
+             losses=[3.0], extra={"load_avg_max": 0.5, "cpu_cores": 2})
+    fake_run(root / "busy-padded", "03-ddp", world=2, tokens=2048, phases=phases, final_loss=2.5,
+             losses=[3.0], extra={"load_avg_max": 9.0, "cpu_cores": 2, "real_tokens_per_s": 1234.0})
+    runs = report.load_runs(report.find_summaries([root]))
+    by_name = dict(zip([r.name for r in runs], zip(report.row_labels(runs), report.tokens_labels(runs))))
+    assert report.BUSY_MARK not in " ".join(by_name["quiet"])
+    row, value = by_name["busy-padded"]
+    assert row.endswith(report.BUSY_MARK) and report.BUSY_MARK in value and "(1,234 real)" in value
+    assert report.main([str(root), "--out", str(tmp_path / "out")]) == 0
+    cols = header(capsys.readouterr().out)
+    assert "real tokens/s" in cols
+    assert_png(tmp_path / "out" / "tokens_per_s.png")
