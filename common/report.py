@@ -224,11 +224,36 @@ def device_warning(runs: list[Run]) -> str | None:
     return None
 
 
+def run_notes(r: Run) -> list[str]:
+    """A run's notes: a list of lines; a lone string (a hand-edited summary) is one note."""
+    n = r.summary.get("notes") or []
+    return [n] if isinstance(n, str) else [str(x) for x in n]
+
+
 def notes_section(runs: list[Run]) -> list[str]:
-    def notes(r):  # a list of lines; a lone string (a hand-edited summary) is one note
-        n = r.summary.get("notes") or []
-        return [n] if isinstance(n, str) else [str(x) for x in n]
-    return [f"- {r.name}: {note}" for r in runs for note in notes(r)]
+    return [f"- {r.name}: {note}" for r in runs for note in run_notes(r)]
+
+
+def narrow_table(runs: list[Run]) -> tuple[str, list[str]]:
+    """For a terminal: the figures a reader compares first (tokens/s, loss) in a table a
+    line fits, and the runs' notes numbered below it. report.md has every column."""
+    notes, rows = [], []
+    padded = any(r.summary.get("real_tokens_per_s") is not None for r in runs)
+    for r in runs:
+        s = r.summary
+        refs = []
+        for note in run_notes(r):  # the Tracker's own say when the machine was busy
+            if note not in notes:
+                notes.append(note)
+            refs.append(str(notes.index(note) + 1))
+        rows.append([_short(str(r.name), 32), str(s["world_size"]), _num(s["tokens_per_s"], 0),
+                     *([_num(s.get("real_tokens_per_s"), 0).replace("n/a", "-")] if padded else []),
+                     _num(s["tokens_per_s_per_device"], 0), _num(s.get("final_loss"), 4),
+                     _num(s.get("val_loss"), 4), ", ".join(refs) or "-"])
+    header = ["run", "processes", "tokens/s", *(["real tokens/s"] if padded else []),
+              "per device", "final loss", "val loss", "notes"]
+    table = markdown_table(header, rows, right=set(range(1, len(header) - 1)))
+    return table, [f"{i}. {n}" for i, n in enumerate(notes, 1)]
 
 
 def render_report(runs: list[Run]) -> str:
@@ -420,18 +445,20 @@ def plot_loss(runs: list[Run], path: Path) -> Path | None:
         return _save(plt, fig, path)
 
 
-def write_report(runs: list[Run], out: Path) -> tuple[str, list[Path]]:
-    """Write report.md and the plots into `out`; return the report text and the files."""
+def write_report(runs: list[Run], out: Path, sections=()) -> tuple[str, list[Path]]:
+    """Write report.md and the plots into `out`; return the report text and the files.
+    `sections` (Markdown) follow the table in report.md; with no runs, report.md holds
+    them alone."""
     out.mkdir(parents=True, exist_ok=True)
-    text = render_report(runs)
+    text = render_report(runs) if runs else ""
     written = [plot_tokens_per_s(runs, out / "tokens_per_s.png"),
-               plot_step_time(runs, out / "step_time.png")]
+               plot_step_time(runs, out / "step_time.png")] if runs else []
     loss = plot_loss(runs, out / "loss.png")
     if loss:
         written.append(loss)
     images = "\n".join(f"![{p.stem}]({p.name})" for p in written)
     md = out / "report.md"
-    md.write_text(f"# Run comparison\n\n{text}\n\n{images}\n")
+    md.write_text("\n\n".join(filter(None, ["# Run comparison", text, *sections, images])) + "\n")
     return text, [md, *written]
 
 
