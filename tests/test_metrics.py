@@ -298,8 +298,8 @@ def test_mfu_over_100_percent_asks_to_remeasure_the_peak():
 
 
 
-def tracked_run(save_dir, monkeypatch, world_size: int) -> tuple[dict, list[dict], int]:
-    """Six steps of 16 tokens, 12 of them real (--padded), through the Tracker, logged at
+def tracked_run(save_dir, monkeypatch, world_size: int, padded: bool = True) -> tuple[dict, list[dict], int]:
+    """Six steps of 16 tokens, 12 of them real if `padded`, through the Tracker, logged at
     steps 3 and 6; a matching chapter 01 summary sits in --save-dir. Returns the summary,
     the metrics records and how often a count was read back from a tensor."""
     import logging
@@ -311,7 +311,7 @@ def tracked_run(save_dir, monkeypatch, world_size: int) -> tuple[dict, list[dict
                {"chapter": "01-single-gpu", "experiment_name": "base", "preset": "tiny",
                 "seq_length": 8, "batch_size": 2, "device": "cpu", "dtype": "fp32", "tokens_per_s": 1e9})
     args = argparse.Namespace(experiment_name="run", model_preset="tiny", seq_length=8,
-                              batch_size=2, padded=True, baseline=None, save_dir=str(save_dir))
+                              batch_size=2, padded=padded, baseline=None, save_dir=str(save_dir))
     (save_dir / "run").mkdir()
     reads = []
     real_float = torch.Tensor.__float__
@@ -324,7 +324,10 @@ def tracked_run(save_dir, monkeypatch, world_size: int) -> tuple[dict, list[dict
         with t.phase("forward"):
             sum(range(20000))  # some time passes
         before = len(reads)
-        t.end_step(torch.tensor(12))
+        if padded:
+            t.end_step(torch.tensor(12))
+        else:
+            t.end_step()
         assert len(reads) == before  # a step never waits to read its count
         if step % 3 == 0:
             t.log(step, loss=1.0, lr=1e-3)
@@ -346,10 +349,10 @@ def test_padded_real_tokens_are_counted_on_the_device_and_shown(tmp_path, monkey
 def test_scaling_efficiency_only_with_more_than_one_process(tmp_path, monkeypatch, capsys):
     """A one-process chapter 03 run is no scaling: no efficiency against chapter 01; two
     processes get one."""
-    one, _, _ = tracked_run(tmp_path / "one", monkeypatch, world_size=1)
+    one, _, _ = tracked_run(tmp_path / "one", monkeypatch, world_size=1, padded=False)
     assert "scaling_efficiency" not in one
     assert "scaling efficiency" not in capsys.readouterr().out
-    two, _, _ = tracked_run(tmp_path / "two", monkeypatch, world_size=2)
+    two, _, _ = tracked_run(tmp_path / "two", monkeypatch, world_size=2, padded=False)
     assert two["scaling_efficiency"] == pytest.approx(two["tokens_per_s_per_device"] / 1e9)
     assert "| scaling efficiency " in capsys.readouterr().out
     assert "| scaling efficiency " not in throughput_table({**two, "world_size": 1})
