@@ -4,7 +4,9 @@ Reads every `summary.json` under the given folders (default: `outputs/`), prints
 Markdown comparison table and writes, into `--out`:
 
   report.md          the same table, with warnings and notes
-  tokens_per_s.png   tokens/s per run (horizontal bars coloured by device)
+  tokens_per_s.png   tokens/s per run (horizontal bars coloured by device; a --padded
+                     run's real tokens/s inside its bar; `! busy` on runs whose machine
+                     was loaded above its cores, as the table's `!`)
   step_time.png      mean step time split into data / forward / backward / update
   loss.png           the loss curve of every run (from its metrics.jsonl), at most
                      8 curves per panel so each keeps its own colour
@@ -16,6 +18,11 @@ Numbers measured on different hardware are not comparable as equals, so the devi
 part of every row, and a warning line precedes the table when the runs come from more
 than one device. The threads and machine-load columns say whether a CPU run shared its
 cores (load marked `!` when it went above the machine's core count).
+
+A run whose figures cannot be read (a summary that is not JSON, incomplete, nested too
+deep, or with a non-finite tokens/s or step time) is left out with one warning line; a
+metrics line that is not JSON is skipped. An --out that cannot be written is refused
+before any work.
 
 Archived runs (chapter 04's --fresh moves an earlier run into `<run>/archive-<time>/`)
 are left out by default, with one line saying how many; `--include-archived` adds them,

@@ -3,8 +3,10 @@
 Each chapter is launched as a real subprocess, exactly as its README launches it (python
 for 01 and 02, torchrun for 03, 04 and 05), on the embedded dataset with a small model
 and short runs: a few minutes on a laptop CPU, larger sizes on GPUs. Every chapter's full
-output is saved to `<out>/<name>.log`; at the end the runs are laid side by side with
-`common.report` (Markdown table + plots) and chapter 05's benchmark tables are printed.
+output is saved to `<out>/<name>.log`; at the end the terminal shows a narrow comparison
+(tokens/s, loss, notes) and chapter 05's tables, and `<out>/report.md` holds everything:
+`common.report`'s table with every column and its plots, chapter 05's tables, the
+explanations, and a list of every file produced.
 
     python -m common.tour                      # everything
     python -m common.tour --chapters 01,03     # a subset
