@@ -133,6 +133,12 @@ def _num(v, digits=1, scale=1.0, suffix=""):
     return "n/a" if v is None else f"{v * scale:,.{digits}f}{suffix}"
 
 
+def _real(s: dict) -> str:
+    """A --padded run's real tokens/s; '-' for a packed run (every token is real)."""
+    v = s.get("real_tokens_per_s")
+    return "-" if v is None else _num(v, 0)
+
+
 def _flops(v):
     return "n/a" if v is None else format_flops(v)
 
@@ -198,7 +204,7 @@ def table_rows(runs: list[Run]) -> list[dict]:
             "data": _cell(_dict(s.get("data")).get("form")),
             "tokens/step": _num(s.get("tokens_per_step"), 0),
             "tokens/s": _num(s["tokens_per_s"], 0),
-            "real tokens/s": _num(s.get("real_tokens_per_s"), 0).replace("n/a", "-"),
+            "real tokens/s": _real(s),
             "tokens/s/device": _num(s["tokens_per_s_per_device"], 0),
             **{f"{p} ms": _num(st[p], 1, 1e3) for p in PHASES},
             "step ms": _num(st.get("total", sum(st[p] for p in PHASES)), 1, 1e3),
@@ -254,7 +260,7 @@ def narrow_table(runs: list[Run]) -> tuple[str, list[str]]:
                 notes.append(note)
             refs.append(str(notes.index(note) + 1))
         rows.append([_short(str(r.name), 32), str(s["world_size"]), _num(s["tokens_per_s"], 0),
-                     *([_num(s.get("real_tokens_per_s"), 0).replace("n/a", "-")] if padded else []),
+                     *([_real(s)] if padded else []),
                      _num(s["tokens_per_s_per_device"], 0), _num(s.get("final_loss"), 4),
                      _num(s.get("val_loss"), 4), ", ".join(refs) or "-"])
     header = ["run", "processes", "tokens/s", *(["real tokens/s"] if padded else []),
