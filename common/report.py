@@ -116,7 +116,7 @@ def load_runs(summary_paths, warn=None) -> list[Run]:
                 raise ValueError(f"missing keys {', '.join(missing)}")
             numbers = [summary["tokens_per_s"], *(summary["step_time_s"].get(p) for p in PHASES)]
             if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in numbers):
-                raise ValueError("tokens_per_s or a step_time_s phase is not a finite number")
+                raise ValueError("tokens_per_s or a step_time_s phase is not a number, or not finite")
             run = Run(path, summary)
             table_rows([run])  # every cell must format: fail here, not halfway through
         except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
