@@ -35,7 +35,7 @@ from preemption import StopRequest, data_workers_apart  # noqa: E402
 from common.cli import base_parser, checkpoint_folder, non_negative_int, positive_int, setup_logging  # noqa: E402
 from common.checkpoint_folder import run_settings  # noqa: E402
 from common.data import IGNORE_INDEX, build_datasets, check_enough_samples, dataset_info, local_rank0_first  # noqa: E402
-from common.distributed import DDP_NO_BUFFER_SYNC, gc_and_destroy_process_group, init_process_group_for_restarts  # noqa: E402
+from common.distributed import DDP_NO_BUFFER_SYNC, backend_for, gc_and_destroy_process_group, init_process_group_for_restarts  # noqa: E402
 from common.durable import atomic_write  # noqa: E402
 from common.environment import environment_info, exit_with_launcher, set_tf32, share_cpu_threads  # noqa: E402
 from common.errors import run_main  # noqa: E402
@@ -72,13 +72,13 @@ def setup(args):
     exit_with_launcher()  # under torchrun: stop (SIGTERM) if torchrun dies, never train as an orphan
     use_cuda = torch.cuda.is_available() and args.device != "cpu"
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    device = torch.device("cuda", local_rank % torch.cuda.device_count()) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)  # else every process would use GPU 0
     if "RANK" in os.environ:
+        backend = backend_for(device)  # nccl for GPUs, gloo for CPUs (LLM_GUIDE_BACKEND=gloo: GPUs too)
         init_process_group_for_restarts(  # dist.init_process_group, on a store per restart
-            "nccl" if use_cuda else "gloo",  # nccl for GPUs, gloo for CPUs
-            timeout=timedelta(seconds=args.timeout), device_id=device if use_cuda else None)
+            backend, timeout=timedelta(seconds=args.timeout), device_id=device if backend == "nccl" else None)
     if device.type == "cuda":
         set_tf32(True)  # fp32 matmuls on tensor cores (TF32: 10-bit mantissa, much faster)
     dtype = args.dtype if args.dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from .data import DataError, check_dataset_name, load_tokenizer
+from .distributed import BACKEND_ENV, gpu_sharing_error
 from .errors import UsageError, fail
 from .model import PRESETS
 
@@ -216,6 +217,17 @@ def check_launch_many(args) -> None:
     if args.device not in ("auto", "cpu", "cuda"):
         raise UsageError(f"--device {args.device}: each process takes the GPU of its LOCAL_RANK; "
                          f"use auto, cuda or cpu (CUDA_VISIBLE_DEVICES chooses which GPUs)")
+    check_backend_choice(cuda=torch.cuda.is_available() and args.device != "cpu")
+
+
+def check_backend_choice(cuda: bool) -> None:
+    """LLM_GUIDE_BACKEND (nccl, gloo or unset) against this machine's processes (torchrun's
+    LOCAL_WORLD_SIZE) and GPUs. Raises UsageError."""
+    error = gpu_sharing_error(os.environ.get(BACKEND_ENV, ""), cuda,
+                              int(os.environ.get("LOCAL_WORLD_SIZE") or 1),
+                              torch.cuda.device_count() if cuda else 0)
+    if error:
+        raise UsageError(error)
 
 
 def check_run_folder(args, name_prefix: str, *, must_be_new: bool = True) -> None:
@@ -325,6 +337,7 @@ def script_parser(name: str, description: str, *, min_world: int = 2,
         if int(os.environ["WORLD_SIZE"]) < min_world:
             raise UsageError(f"this needs at least {min_world} processes "
                              f"(--nproc-per-node={min_world} or more)")
+        check_backend_choice(cuda=torch.cuda.is_available())
     p.checks.append(check_torchrun)
     return p
 

@@ -16,17 +16,7 @@ import pytest
 
 from conftest import REPO, read_json, read_jsonl, run, torchrun_cmd
 from ch04_runs import (NAME, SCRIPT, assert_same_as_uninterrupted, copy_run, flags, kill_job, snapshot,
-                       step_dir, train)
-
-def start_job(cmd, log, until, timeout=240):
-    """A torchrun job in a session of its own, output to `log`; returns once `until()`
-    holds (or the job ended, or `timeout` passed)."""
-    job = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                           env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
-    deadline = time.monotonic() + timeout
-    while job.poll() is None and time.monotonic() < deadline and not until():
-        time.sleep(0.01)
-    return job
+                       start_job, step_dir, train)
 
 
 def test_another_preset_is_refused_before_anything_changes(tmp_path, crashed):
