@@ -171,7 +171,7 @@ def main():
                 optimizer.zero_grad(set_to_none=True)
                 scheduler.step()
             step += 1
-            tracker.end_step()
+            tracker.end_step(n_tokens)  # real tokens: padding left out
             if step % args.log_freq == 0 or step == total_steps:
                 # .item() waits for the device: only on logging steps
                 tracker.log(step, epoch=epoch, loss=loss_sum.item(), lr=scheduler.get_last_lr()[0],

@@ -211,7 +211,7 @@ def main():
                 optimizer.zero_grad(set_to_none=True)
                 scheduler.step()
             step += 1
-            tracker.end_step()
+            tracker.end_step(n_tokens)  # real tokens: padding left out
             if step % args.log_freq == 0 or step == total_steps:
                 # The mean over the whole global batch: the ranks' shares (each x world_size)
                 # summed, / world_size. Every rank joins this all-reduce, on the same steps;

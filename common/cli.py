@@ -14,6 +14,7 @@ import math
 import os
 import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -250,6 +251,23 @@ def check_run_folder(args, name_prefix: str, *, must_be_new: bool = True) -> Non
         raise UsageError(f"run folder {str(run_dir)!r} already exists and is not empty; "
                          f"choose another --experiment-name or remove it")
 
+
+
+def check_writable_folder(path: str | os.PathLike, flag: str) -> None:
+    """An output folder that can be created and written: its nearest existing part must be
+    a folder that takes a file (read-only or full file systems do not). Probes with a file
+    it removes at once, so nothing is left behind. Raises UsageError."""
+    path = Path(path).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise UsageError(f"{flag} {str(path)!r}: {str(existing)!r} is a file, not a folder")
+    try:
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=".write-test-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise UsageError(f"{flag} {str(path)!r}: cannot write in {str(existing)!r} "
+                         f"({e.strerror or e})") from None
 
 def default_run_name(prefix: str) -> str:
     """`<prefix>-<timestamp>`; under torchrun `<prefix>-<job id>` instead, which every rank

@@ -4,7 +4,8 @@
 - `fail_on_each_machine`: a setup check each machine makes for itself before the
   process group exists; one line per machine, exit status 2.
 - `run_main(main)`: around a chapter's main(): Ctrl-C ends it with one line (exit 130), a
-  peer or network that stops answering with one line per process (exit 1).
+  peer or network that stops answering with one line per process (exit 1), and so does a
+  batch too large for the device's memory (exit 1, with the flag to change).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 import time
 from contextlib import contextmanager
 
+import torch
 from torch.distributed import DistError
 
 
@@ -117,12 +119,29 @@ def explain_peer_failures():
         os._exit(1)  # no atexit teardown: it would talk to the peer that is gone
 
 
+# What an allocation that does not fit says: CUDA's allocator raises OutOfMemoryError, the
+# CPU allocator a RuntimeError ("DefaultCPUAllocator: not enough memory").
+OUT_OF_MEMORY = ("out of memory", "not enough memory")
+
+
+def out_of_memory(e: BaseException) -> bool:
+    return isinstance(e, torch.OutOfMemoryError) or (
+        isinstance(e, RuntimeError) and any(k in str(e).lower() for k in OUT_OF_MEMORY))
+
+
 def run_main(main):
-    """main(), with Ctrl-C as one line, and a lost peer or network as one line per process
-    (`explain_peer_failures`) instead of a traceback on every rank."""
+    """main(), with Ctrl-C as one line, a lost peer or network as one line per process
+    (`explain_peer_failures`), and a batch that does not fit in memory as one line
+    naming the flag to lower, instead of a traceback on every rank."""
     try:
         with explain_peer_failures():
             return main()
+    except (torch.OutOfMemoryError, RuntimeError) as e:
+        if not out_of_memory(e):
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        fail(f"out of memory ({first[:200]}): try a smaller --batch-size (per process), "
+             f"and a larger --grad-accum to keep the global batch", status=1)
     except KeyboardInterrupt:
         if int(os.environ.get("RANK") or 0) == 0:
             print("\ninterrupted (Ctrl-C); nothing after the last completed step was saved",

@@ -24,14 +24,15 @@ class MetricsWriter:
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:
-    """The records of a metrics.jsonl; a torn line (a kill or a full disk mid-write) is
-    skipped, not fatal."""
+    """The records of a metrics.jsonl; a line that is not one JSON object (torn by a kill
+    or a full disk mid-write, not UTF-8, nested past the parser's depth) is skipped, not
+    fatal: one bad line must not block a resume or a report."""
     records = []
-    with open(path) as f:
+    with open(path, "rb") as f:
         for line in f:
             try:
-                record = json.loads(line)
-            except ValueError:
+                record = json.loads(line.decode("utf-8"))
+            except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
                 continue
             if isinstance(record, dict):
                 records.append(record)

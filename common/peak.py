@@ -27,7 +27,12 @@ def main(argv=None):
                    help="measure even when a cached value exists, and overwrite it")
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available()
-    device = torch.device(("cuda" if cuda else "cpu") if args.device == "auto" else args.device)
+    try:
+        device = torch.device(("cuda" if cuda else "cpu") if args.device == "auto" else args.device)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        p.error(f"--device {args.device!r}: choose auto, cpu, cuda or cuda:N")
     if device.type == "cuda" and not cuda:
         p.error(f"--device {args.device}: CUDA is not available here")
     dtype = ("bf16" if device.type == "cuda" else "fp32") if args.dtype == "auto" else args.dtype

@@ -14,6 +14,7 @@ import json
 import os
 import math
 import re
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -188,10 +189,14 @@ def measured_peak(device: torch.device | str, precision: str, *, remeasure: bool
         return record["flops"]
     path = cache_path(cache_dir)
     key = cache_key(device_name(device), precision, device.type)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # re-read: another process may have added its own key meanwhile
     record = {"flops": flops, "measured": time.strftime("%Y-%m-%d %H:%M:%S"), "load": load, "cores": cores}
-    write_json(path, {**read_cache(path), key: record})
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # re-read: another process may have added its own key meanwhile
+        write_json(path, {**read_cache(path), key: record})
+    except OSError as e:  # a read-only or full cache: the run's summary matters more
+        print(f"warning: the measured matmul peak could not be cached in {path} "
+              f"({e.strerror or e}); it is measured again next time", file=sys.stderr, flush=True)
     return flops
 
 

@@ -4,7 +4,9 @@ Reads every `summary.json` under the given folders (default: `outputs/`), prints
 Markdown comparison table and writes, into `--out`:
 
   report.md          the same table, with warnings and notes
-  tokens_per_s.png   tokens/s per run (horizontal bars coloured by device)
+  tokens_per_s.png   tokens/s per run (horizontal bars coloured by device; a --padded
+                     run's real tokens/s inside its bar; `! busy` on runs whose machine
+                     was loaded above its cores, as the table's `!`)
   step_time.png      mean step time split into data / forward / backward / update
   loss.png           the loss curve of every run (from its metrics.jsonl), at most
                      8 curves per panel so each keeps its own colour
@@ -16,6 +18,11 @@ Numbers measured on different hardware are not comparable as equals, so the devi
 part of every row, and a warning line precedes the table when the runs come from more
 than one device. The threads and machine-load columns say whether a CPU run shared its
 cores (load marked `!` when it went above the machine's core count).
+
+A run whose figures cannot be read (a summary that is not JSON, incomplete, nested too
+deep, or with a non-finite tokens/s or step time) is left out with one warning line; a
+metrics line that is not JSON is skipped. An --out that cannot be written is refused
+before any work.
 
 Archived runs (chapter 04's --fresh moves an earlier run into `<run>/archive-<time>/`)
 are left out by default, with one line saying how many; `--include-archived` adds them,
@@ -30,7 +37,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .cli import DEFAULT_SAVE_DIR, Parser
+from .cli import DEFAULT_SAVE_DIR, Parser, check_writable_folder
+from .errors import UsageError
+from .jsonfiles import read_metrics
 from .tables import format_flops, markdown_table
 from .timing import PHASES
 
@@ -82,15 +91,12 @@ def find_summaries(paths, include_archived: bool = False) -> list[Path]:
 def read_loss_curve(path: Path) -> list[dict]:
     """Records of metrics.jsonl that carry a loss, one per step. A resumed run (chapter 04)
     logs the steps between its last checkpoint and the crash twice; the later record
-    (the run that survived) wins. A torn last line is ignored rather than fatal."""
+    (the run that survived) wins. A torn or unreadable line, or a non-finite loss (a
+    diverged step), is left out rather than fatal."""
     by_step: dict[int, dict] = {}
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(rec, dict) and isinstance(rec.get("step"), (int, float)) \
-                and isinstance(rec.get("loss"), (int, float)) and math.isfinite(rec["step"]):
+    for rec in read_metrics(path):  # lines that are not JSON (torn, binary) are skipped
+        if isinstance(rec.get("step"), (int, float)) and isinstance(rec.get("loss"), (int, float)) \
+                and math.isfinite(rec["step"]) and math.isfinite(rec["loss"]):
             by_step[int(rec["step"])] = rec
     return [by_step[s] for s in sorted(by_step)]
 
@@ -109,11 +115,11 @@ def load_runs(summary_paths, warn=None) -> list[Run]:
             if missing:
                 raise ValueError(f"missing keys {', '.join(missing)}")
             numbers = [summary["tokens_per_s"], *(summary["step_time_s"].get(p) for p in PHASES)]
-            if not all(isinstance(v, (int, float)) for v in numbers):
-                raise ValueError("tokens_per_s or a step_time_s phase is not a number")
+            if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in numbers):
+                raise ValueError("tokens_per_s or a step_time_s phase is not a number, or not finite")
             run = Run(path, summary)
             table_rows([run])  # every cell must format: fail here, not halfway through
-        except (OSError, UnicodeDecodeError, ValueError, TypeError, KeyError, AttributeError) as e:
+        except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
             warn(f"warning: skipping {path}: {e}")
             continue
         metrics_path = path.with_name("metrics.jsonl")
@@ -125,6 +131,12 @@ def load_runs(summary_paths, warn=None) -> list[Run]:
 
 def _num(v, digits=1, scale=1.0, suffix=""):
     return "n/a" if v is None else f"{v * scale:,.{digits}f}{suffix}"
+
+
+def _real(s: dict) -> str:
+    """A --padded run's real tokens/s; '-' for a packed run (every token is real)."""
+    v = s.get("real_tokens_per_s")
+    return "-" if v is None else _num(v, 0)
 
 
 def _flops(v):
@@ -148,6 +160,13 @@ def _threads(s: dict) -> str:
     return f"{t} × {procs}" if procs is not None else str(t)
 
 
+def busy(s: dict) -> bool:
+    """The machine's load went above its cores during the run: other work took CPU time
+    from it, so its speed is not comparable."""
+    load, cores = s.get("load_avg_max"), s.get("cpu_cores")
+    return isinstance(load, (int, float)) and isinstance(cores, int) and load > cores
+
+
 def _load(s: dict) -> str:
     """'5.3/2 !': the highest load average during the run over the machine's cores;
     '!' when the load went above the cores (the run shared its CPU)."""
@@ -156,7 +175,7 @@ def _load(s: dict) -> str:
         return "-"
     if cores is None:
         return f"{load:.1f}"
-    return f"{load:.1f}/{cores}" + (" !" if load > cores else "")
+    return f"{load:.1f}/{cores}" + (" !" if busy(s) else "")
 
 
 def table_rows(runs: list[Run]) -> list[dict]:
@@ -185,6 +204,7 @@ def table_rows(runs: list[Run]) -> list[dict]:
             "data": _cell(_dict(s.get("data")).get("form")),
             "tokens/step": _num(s.get("tokens_per_step"), 0),
             "tokens/s": _num(s["tokens_per_s"], 0),
+            "real tokens/s": _real(s),
             "tokens/s/device": _num(s["tokens_per_s_per_device"], 0),
             **{f"{p} ms": _num(st[p], 1, 1e3) for p in PHASES},
             "step ms": _num(st.get("total", sum(st[p] for p in PHASES)), 1, 1e3),
@@ -217,11 +237,36 @@ def device_warning(runs: list[Run]) -> str | None:
     return None
 
 
+def run_notes(r: Run) -> list[str]:
+    """A run's notes: a list of lines; a lone string (a hand-edited summary) is one note."""
+    n = r.summary.get("notes") or []
+    return [n] if isinstance(n, str) else [str(x) for x in n]
+
+
 def notes_section(runs: list[Run]) -> list[str]:
-    def notes(r):  # a list of lines; a lone string (a hand-edited summary) is one note
-        n = r.summary.get("notes") or []
-        return [n] if isinstance(n, str) else [str(x) for x in n]
-    return [f"- {r.name}: {note}" for r in runs for note in notes(r)]
+    return [f"- {r.name}: {note}" for r in runs for note in run_notes(r)]
+
+
+def narrow_table(runs: list[Run]) -> tuple[str, list[str]]:
+    """For a terminal: the figures a reader compares first (tokens/s, loss) in a table a
+    line fits, and the runs' notes numbered below it. report.md has every column."""
+    notes, rows = [], []
+    padded = any(r.summary.get("real_tokens_per_s") is not None for r in runs)
+    for r in runs:
+        s = r.summary
+        refs = []
+        for note in run_notes(r):  # the Tracker's own say when the machine was busy
+            if note not in notes:
+                notes.append(note)
+            refs.append(str(notes.index(note) + 1))
+        rows.append([_short(str(r.name), 32), str(s["world_size"]), _num(s["tokens_per_s"], 0),
+                     *([_real(s)] if padded else []),
+                     _num(s["tokens_per_s_per_device"], 0), _num(s.get("final_loss"), 4),
+                     _num(s.get("val_loss"), 4), ", ".join(refs) or "-"])
+    header = ["run", "processes", "tokens/s", *(["real tokens/s"] if padded else []),
+              "per device", "final loss", "val loss", "notes"]
+    table = markdown_table(header, rows, right=set(range(1, len(header) - 1)))
+    return table, [f"{i}. {n}" for i, n in enumerate(notes, 1)]
 
 
 def render_report(runs: list[Run]) -> str:
@@ -236,7 +281,9 @@ def render_report(runs: list[Run]) -> str:
                  "seq, batch (per process), accum (gradient accumulation steps) and data "
                  "(packed/padded) are the run's settings; threads = threads per process × "
                  "processes on the machine; load/cores = the highest load average during "
-                 "the run over the machine's cores, ! when above them. "
+                 "the run over the machine's cores, ! when above them (a busy machine: "
+                 "speeds not comparable). real tokens/s (--padded runs) leaves the padding "
+                 "out: what the padding costs. "
                  "Peak memory: CUDA = allocator peak per GPU, RSS = peak resident set of "
                  "one process. MFU = model FLOP/s per device over the peak FLOP/s: a "
                  "known GPU's datasheet peak, else the matmul peak measured on the device "
@@ -270,12 +317,34 @@ def _save(plt, fig, path: Path) -> Path:
     return path
 
 
+BUSY_MARK = "! busy"
+
+
+def row_labels(runs: list[Run]) -> list[str]:
+    """A bar row's label: the run, its device and, where the machine was busy during the
+    run (as the table's `!`), a mark saying its speed is not comparable."""
+    return [f"{_short(r.name)} ({r.summary['device']} × {r.summary['num_devices']})"
+            + (f" {BUSY_MARK}" if busy(r.summary) else "") for r in runs]
+
+
+def tokens_labels(runs: list[Run]) -> list[str]:
+    """The value beside a tokens/s bar: '12,345', '12,345 (8,765 real)' for a --padded run,
+    and the busy mark where the run shared its machine."""
+    labels = []
+    for r in runs:
+        s = r.summary
+        text = f"{s['tokens_per_s']:,.0f}"
+        if isinstance(s.get("real_tokens_per_s"), (int, float)):
+            text += f" ({s['real_tokens_per_s']:,.0f} real)"
+        labels.append(text + (f"  {BUSY_MARK}: not comparable" if busy(s) else ""))
+    return labels
+
+
 def _bar_figure(plt, runs, title: str, xlabel: str):
     """One horizontal bar row per run, the first run on top; labels = run names."""
     fig, ax = plt.subplots(figsize=(FIG_WIDTH_IN, 1.6 + ROW_IN * len(runs)),
                            layout="constrained")
-    ax.set_yticks(range(len(runs)), [f"{_short(r.name)} ({r.summary['device']} × "
-                                     f"{r.summary['num_devices']})" for r in runs])
+    ax.set_yticks(range(len(runs)), row_labels(runs))
     ax.set_ylim(len(runs) - 0.5, -0.5)
     ax.set_xlabel(xlabel)
     ax.set_title(title)
@@ -321,9 +390,17 @@ def plot_tokens_per_s(runs: list[Run], path: Path) -> Path:
     with plt.rc_context({"font.size": FONT_SIZE}):
         fig, ax = _bar_figure(plt, runs, "Training throughput", "tokens/s (whole global batch)")
         bars = ax.barh(range(len(runs)), values,
-                       color=[colours[str(r.summary["device_name"])] for r in runs])
-        ax.bar_label(bars, labels=[f"{v:,.0f}" for v in values], padding=3)
-        ax.set_xlim(0, 1.15 * max(max(values), 1e-9))  # room for the value labels
+                       color=[colours[str(r.summary["device_name"])] for r in runs],
+                       hatch=["//" if busy(r.summary) else "" for r in runs])
+        # a --padded run's real tokens: a thin dark bar inside its bar
+        real = [r.summary.get("real_tokens_per_s") for r in runs]
+        rows = [i for i, v in enumerate(real) if isinstance(v, (int, float))]
+        if rows:
+            ax.barh(rows, [real[i] for i in rows], height=0.3, color="black", alpha=0.55,
+                    label="real tokens (padding left out)")
+            ax.legend(loc="lower right")
+        ax.bar_label(bars, labels=tokens_labels(runs), padding=3)
+        ax.set_xlim(0, 1.6 * max(max(values), 1e-9))  # room for the value labels
         # one legend entry per device, so bars of different hardware are not read as equals
         handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
         fig.legend(handles, list(colours), loc="outside lower center",
@@ -381,18 +458,20 @@ def plot_loss(runs: list[Run], path: Path) -> Path | None:
         return _save(plt, fig, path)
 
 
-def write_report(runs: list[Run], out: Path) -> tuple[str, list[Path]]:
-    """Write report.md and the plots into `out`; return the report text and the files."""
+def write_report(runs: list[Run], out: Path, sections=()) -> tuple[str, list[Path]]:
+    """Write report.md and the plots into `out`; return the report text and the files.
+    `sections` (Markdown) follow the table in report.md; with no runs, report.md holds
+    them alone."""
     out.mkdir(parents=True, exist_ok=True)
-    text = render_report(runs)
+    text = render_report(runs) if runs else ""
     written = [plot_tokens_per_s(runs, out / "tokens_per_s.png"),
-               plot_step_time(runs, out / "step_time.png")]
+               plot_step_time(runs, out / "step_time.png")] if runs else []
     loss = plot_loss(runs, out / "loss.png")
     if loss:
         written.append(loss)
     images = "\n".join(f"![{p.stem}]({p.name})" for p in written)
     md = out / "report.md"
-    md.write_text(f"# Run comparison\n\n{text}\n\n{images}\n")
+    md.write_text("\n\n".join(filter(None, ["# Run comparison", text, *sections, images])) + "\n")
     return text, [md, *written]
 
 
@@ -416,8 +495,12 @@ def main(argv=None) -> int:
         out = out.parent if out.is_file() else out
     else:
         out = DEFAULT_SAVE_DIR / "report"
-    if out.exists() and not out.is_dir():
-        print(f"error: --out {str(out)!r} exists and is not a folder", file=sys.stderr)
+    try:
+        if out.exists() and not out.is_dir():
+            raise UsageError(f"--out {str(out)!r} exists and is not a folder")
+        check_writable_folder(out, "--out")
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     try:
         summaries = find_summaries(paths, include_archived=args.include_archived)
@@ -429,7 +512,11 @@ def main(argv=None) -> int:
     if not runs:
         print(f"error: no readable summary.json under {', '.join(paths)}", file=sys.stderr)
         return 2
-    text, files = write_report(runs, out)
+    try:
+        text, files = write_report(runs, out)
+    except OSError as e:  # the disk filled up, or the folder changed meanwhile
+        print(f"error: writing the report into {out} failed: {e.strerror or e}", file=sys.stderr)
+        return 1
     print(text)
     print(f"\nwrote {', '.join(f.name for f in files)} to {out}")
     if left_out:

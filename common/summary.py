@@ -102,6 +102,8 @@ def throughput_rows(s: dict) -> list[tuple[str, str]]:
         ("dtype / preset / params", f"{s['dtype']} / {s['preset']} / {s['num_params'] / 1e6:.2f} M"),
         ("tokens per step", _fmt(s["tokens_per_step"])),
         ("tokens/s total", _fmt(s["tokens_per_s"])),
+        *([("tokens/s real (no padding)", _fmt(s["real_tokens_per_s"]))]
+          if s.get("real_tokens_per_s") is not None else []),
         ("tokens/s per device", _fmt(s["tokens_per_s_per_device"])),
         ("step time (ms, wall)", f"{s.get('step_wall_s', total) * 1e3:.1f}"),
         ("phase split (estimate)", f"{total * 1e3:.1f} ms timed in phases"),
@@ -123,7 +125,7 @@ def throughput_rows(s: dict) -> list[tuple[str, str]]:
     if s.get("compiled"):
         rows.append(("torch.compile", f"yes: about {s.get('compile_s') or 0:,.1f} s to compile "
                      f"(the first step; not in tokens/s)"))
-    if s.get("scaling_efficiency") is not None:
+    if s.get("scaling_efficiency") is not None and s["world_size"] > 1:  # one process scales nothing
         rows.append(("scaling efficiency", f"{100 * s['scaling_efficiency']:.1f}% vs {s.get('baseline', 'baseline')}"))
     ck = s.get("checkpoint")
     if ck:

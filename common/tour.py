@@ -3,8 +3,10 @@
 Each chapter is launched as a real subprocess, exactly as its README launches it (python
 for 01 and 02, torchrun for 03, 04 and 05), on the embedded dataset with a small model
 and short runs: a few minutes on a laptop CPU, larger sizes on GPUs. Every chapter's full
-output is saved to `<out>/<name>.log`; at the end the runs are laid side by side with
-`common.report` (Markdown table + plots) and chapter 05's benchmark tables are printed.
+output is saved to `<out>/<name>.log`; at the end the terminal shows a narrow comparison
+(tokens/s, loss, notes) and chapter 05's tables, and `<out>/report.md` holds everything:
+`common.report`'s table with every column and its plots, chapter 05's tables, the
+explanations, and a list of every file produced.
 
     python -m common.tour                      # everything
     python -m common.tour --chapters 01,03     # a subset
@@ -23,8 +25,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import report
-from .cli import DEFAULT_SAVE_DIR, REPO_ROOT, Parser
+from . import report, sharding
+from .cli import DEFAULT_SAVE_DIR, REPO_ROOT, Parser, check_writable_folder
 from .errors import UsageError
 from .model import PRESETS
 from .tables import markdown_table
@@ -134,6 +136,7 @@ def parse_args(argv=None, gpus: int | None = None) -> argparse.Namespace:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UsageError(f"--out {str(out)!r} already exists and is not an empty folder; "
                          f"choose another or remove it")
+    check_writable_folder(out, "--out")  # read-only or under a file: say so now, not at the end
     args.out_dir = out.resolve()
     return args
 
@@ -355,35 +358,80 @@ def _bytes(n: int) -> str:
     return f"{n} B"
 
 
+def sharded_tables(obj) -> str | None:
+    """sharded_from_scratch.json: the memory and the traffic of each sharding mode."""
+    modes = obj.get("modes") if isinstance(obj, dict) else None
+    if not modes:
+        return None
+    try:
+        memory, comm = sharding.memory_table(modes), sharding.comm_table(modes)
+    except (KeyError, TypeError, AttributeError):
+        return None  # a file from another version: its own log has the tables
+    verdict = "every mode matches DDP" if obj.get("passed") else \
+        "MISMATCH: " + "; ".join(obj.get("failures") or [])
+    return (f"{obj.get('world_size')} ranks, {obj.get('backend')}, {obj.get('device_name')}: "
+            f"{verdict}\n\n{memory}\n\n{comm}")
+
+
+CHAPTER_05_TABLES = (("bench_collectives.json", "05 collective benchmark", bench_table),
+                     ("ddp_from_scratch.json", "05 data parallelism from collectives", scratch_table),
+                     ("sharded_from_scratch.json", "05 sharded training from collectives", sharded_tables))
+
+
+def explanations(args) -> list[str]:
+    """What the comparison needs said: the batch each chapter ran, and why CPU processes
+    do not speed up."""
+    s, said = args.sizes, []
+    if any(c[:2] in ("03", "04") for c in args.chapter_list):
+        said.append(f"Batch sizes: every process ran a batch of {s.batch_size} x {s.seq_length} "
+                    f"tokens. 01 and 02 are one process (02's DataParallel splits its batch over "
+                    f"the GPUs), so their step covers {s.batch_size} samples; 03 and 04 run "
+                    f"{s.nproc} process(es), so their step covers {s.nproc} x {s.batch_size} = "
+                    f"{s.nproc * s.batch_size} samples. tokens/s counts them all; compare tokens/s "
+                    f"per device across chapters.")
+        if not args.gpus and s.nproc > 1:
+            said.append(f"On CPU the {s.nproc} processes share the same {os.cpu_count()} cores: "
+                        f"more processes add no compute, so expect no speed-up here. The mechanics "
+                        f"are the lesson; GPUs show the scaling.")
+    return said
+
+
 def print_summary(args, steps_run: list[Step], started: float):
-    out, s = args.out_dir, args.sizes
+    """A narrow table in the terminal (tokens/s, loss, notes), the explanations and
+    chapter 05's tables; report.md holds all of that, the wide table, the plots and a
+    list of every file the tour produced."""
+    out = args.out_dir
     print(f"\n=== tour finished in {_clock(time.perf_counter() - started)}: comparison ===\n", flush=True)
     runs = report.load_runs(report.find_summaries([out]))
-    files = []
-    if runs:
-        text, files = report.write_report(runs, out)
-        print(text)
-        if any(c[:2] in ("03", "04") for c in args.chapter_list):
-            print(f"\nBatch sizes: every process ran a batch of {s.batch_size} x {s.seq_length} "
-                  f"tokens. 01 and 02 are one process (02's DataParallel splits its batch over "
-                  f"the GPUs), so their step covers {s.batch_size} samples; 03 and 04 run "
-                  f"{s.nproc} process(es), so their step covers {s.nproc} x {s.batch_size} = "
-                  f"{s.nproc * s.batch_size} samples. tokens/s counts them all; compare tokens/s "
-                  f"per device across chapters.")
-            if not args.gpus and s.nproc > 1:
-                print(f"On CPU the {s.nproc} processes share the same {os.cpu_count()} cores: "
-                      f"more processes add no compute, so expect no speed-up here. The mechanics "
-                      f"are the lesson; GPUs show the scaling.")
-    for name, title, render in (
-            ("bench_collectives.json", "05 collective benchmark", bench_table),
-            ("ddp_from_scratch.json", "05 data parallelism from collectives", scratch_table)):
+    said = explanations(args) if runs else []
+    tables = []  # (title, json file, table)
+    for name, title, render in CHAPTER_05_TABLES:
         for path in sorted(out.rglob(name)):
             table = render(read_json(path))
             if table:
-                print(f"\n{title} ({_rel(path)}):\n\n{table}")
-                files += [path, *sorted(path.parent.glob("*.png"))]
-    print(f"\nfiles in {_rel(out)}:")
-    for f in files:
+                tables.append((title, path, table))
+    sections = [*said, *(f"## {title}\n\nfrom `{path.relative_to(out)}`\n\n{table}"
+                         for title, path, table in tables)]
+    _, files = report.write_report(runs, out, sections)
+    md = out / "report.md"
+    produced = sorted(p.relative_to(out) for p in out.rglob("*") if p.is_file())
+    with open(md, "a") as f:
+        f.write("\n## Files\n\n" + "".join(f"- `{p}`\n" for p in produced))
+    if runs:
+        table, notes = report.narrow_table(runs)
+        print(table)
+        if notes:
+            print("\nnotes:\n" + "\n".join(notes))
+        warning = report.device_warning(runs)
+        if warning:
+            print(f"\n{warning}")
+    for text in said:
+        print(f"\n{text}")
+    for title, path, table in tables:
+        print(f"\n{title} ({_rel(path)}):\n\n{table}")
+    print(f"\nthe full comparison (every column), chapter 05's tables and the list of all "
+          f"{len(produced)} files: {_rel(md)}")
+    for f in files[1:]:
         print(f"  {_rel(f)}")
     for st in steps_run:
         print(f"  {_rel(out / (st.name + '.log'))}")

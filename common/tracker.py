@@ -6,7 +6,7 @@ nothing up: threads, devices and signals are the chapter's `setup()`.
 
     tracker = Tracker(CHAPTER, run_dir, device, total_steps, tokens_per_step, log,
                       threads=threads, args=args, dtype=dtype, ...)   # the run's fixed facts
-    tracker.start_step();  with tracker.phase("forward"): ...;  tracker.end_step()
+    tracker.start_step();  with tracker.phase("forward"): ...;  tracker.end_step(n_tokens)
     tracker.log(step, loss=..., lr=...)        # on logging steps
     tracker.finish(final_loss=..., val_loss=...)   # summary.json + the table
 """
@@ -55,6 +55,13 @@ class Tracker:
                 write_jsonl(path, [r for r in read_metrics(path)
                                    if isinstance(r.get("step"), int) and r["step"] <= start_step])
             self.writer = MetricsWriter(path, append=start_step > 0)
+        # Real (non-pad) target tokens: with --padded, tokens/s counts the padding too, so
+        # the real count is kept beside it. Added up on the device (no wait per step) and
+        # read at log time, when the loss is read anyway.
+        self.padded = bool(getattr(args, "padded", False))
+        self.window_real: list = []           # each step's count since the last log
+        self.real_measured, self.steps_measured = 0, 0   # over steps after the warm-up
+        self.real_all = 0                                # over every step
         self.saves = []  # (MB, seconds) of each checkpoint saved
         self.first_step_start, self.first_step_s = None, None
         self.t_start = time.perf_counter()
@@ -74,11 +81,24 @@ class Tracker:
             self.first_step_start = time.perf_counter()
         self.timer.reset()
 
-    def end_step(self):
+    def end_step(self, real_tokens=None):
+        """`real_tokens`: the step's real target tokens in the whole global batch (an int,
+        or a tensor on the device: it is only added up here, never waited for); default
+        every token of the step."""
         if self.first_step_s is None:  # with --compile, the first step compiles
             self.first_step_s = time.perf_counter() - self.first_step_start
         self.stats.add(self.timer, self.tokens_per_step)  # no wait for the device here
+        real = self.tokens_per_step if real_tokens is None else real_tokens
+        self.window_real.append(real)
+        self.real_all = self.real_all + real
+        if len(self.stats.steps) > self.stats.warmup:  # the steps the headline tokens/s measures
+            self.real_measured = self.real_measured + real
+            self.steps_measured += 1
         self.bar.update()
+
+    def real_tokens_per_s(self, tokens_per_s: float, real, steps: int) -> float:
+        """tokens/s × the real share of `steps` steps' tokens (`real` of them were real)."""
+        return tokens_per_s * float(real) / (self.tokens_per_step * steps) if steps else tokens_per_s
 
     def log(self, step: int, **values):
         """One metrics line (rank 0): the values given, the window's tokens/s, this
@@ -88,16 +108,23 @@ class Tracker:
         # the window since the last log: wall time after one wait for the device, and the
         # mean phase split of its steps (an estimate on GPUs, where phases overlap)
         window = self.stats.end_window()
+        # the window's own steps (it may have closed earlier, at the end of the warm-up)
+        counted = self.window_real[len(self.window_real) - min(window.steps, len(self.window_real)):]
+        self.window_real = []
         if not math.isfinite(values.get("loss", 0.0)):
             return self.diverged(step, values)
         if self.rank == 0:
-            record = {"step": step, **values, "tokens_per_s": window.tokens_per_s,
-                      **{f"{k}_s": v for k, v in window.phase_s.items()},
-                      "elapsed_s": time.perf_counter() - self.t_start}
+            record = {"step": step, **values, "tokens_per_s": window.tokens_per_s}
+            if self.padded:
+                record["real_tokens_per_s"] = self.real_tokens_per_s(window.tokens_per_s, sum(counted),
+                                                                     len(counted))
+            record.update({f"{k}_s": v for k, v in window.phase_s.items()},
+                          elapsed_s=time.perf_counter() - self.t_start)
             self.writer.write(record)
             self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
-            self.logger.info("step %d/%d | loss %.4f | lr %.2e | %.0f tokens/s", step, self.total_steps,
-                          record["loss"], record["lr"], record["tokens_per_s"])
+            real = f" ({record['real_tokens_per_s']:,.0f} real)" if self.padded else ""
+            self.logger.info("step %d/%d | loss %.4f | lr %.2e | %.0f tokens/s%s", step, self.total_steps,
+                             record["loss"], record["lr"], record["tokens_per_s"], real)
 
     def finish_untimed(self, val_loss: float | None) -> dict:
         """The end of a run whose training ended in an earlier process (chapter 04: stopped
@@ -171,9 +198,13 @@ class Tracker:
             size_mb, save_s = self.saves[-1][0], sum(t for _, t in self.saves) / len(self.saves)
             summary["checkpoint"] = {"count": len(self.saves), "size_mb": size_mb, "save_s": save_s,
                                      "save_mb_per_s": size_mb / save_s}
-        if hasattr(args, "baseline"):
+        if self.padded:  # what the padding costs: the tokens/s that were real text
+            steps, real = ((self.steps_measured, self.real_measured) if self.steps_measured
+                           else (len(self.stats.steps), self.real_all))
+            summary["real_tokens_per_s"] = self.real_tokens_per_s(summary["tokens_per_s"], real, steps)
+        if hasattr(args, "baseline") and summary["world_size"] > 1:
             # tokens/s per process here over chapter 01's tokens/s with the same
-            # per-process batch (1.0 = perfect linear scaling)
+            # per-process batch (1.0 = perfect linear scaling); one process scales nothing
             baseline = find_baseline(args.baseline or args.save_dir, summary)
             if baseline:
                 summary["scaling_efficiency"] = summary["tokens_per_s_per_device"] / baseline["tokens_per_s"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -78,17 +79,40 @@ def host_addresses(subnet: str) -> list[str]:
     return [str(net.network_address + 1), str(net.network_address + 2)]
 
 
+def check_prefix(prefix: str) -> None:
+    """A prefix every name built from it accepts: namespaces, /etc/netns folders, and the
+    cable's ends (network interface names: at most 15 characters, no spaces or slashes)."""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", prefix):
+        raise HostError(f"--prefix {prefix!r}: use only letters, digits, '.', '_' and '-' "
+                        f"(it names namespaces and network interfaces)")
+    if len(prefix) > 13:
+        raise HostError(f"--prefix {prefix!r} is too long (at most 13 characters)")
+
+
+def check_workdir(workdir: Path) -> None:
+    """The hosts' folders can be made under workdir (checked before any namespace exists)."""
+    for i in (1, 2):
+        for sub in ("cache", "outputs"):
+            folder = Path(workdir) / f"host{i}" / sub
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise HostError(f"--workdir {str(workdir)!r}: cannot create {folder} "
+                                f"({e.strerror or e})") from None
+
+
 def create_hosts(workdir: Path, *, prefix: str = "llmg", subnet: str = "10.77.0.0/24") -> Hosts:
     """Two namespaces <prefix>-host1/2, a cable between them with the subnet's first two
     addresses, loopback up in each (torchrun and gloo talk to themselves through it),
-    and a private cache and save folder per host under workdir."""
+    and a private cache and save folder per host under workdir. Everything that can be
+    checked is checked before the first namespace is made, so a refusal leaves none."""
     check_can_create()
+    check_prefix(prefix)
     addrs = host_addresses(subnet)
+    check_workdir(workdir)
     prefixlen = ipaddress.IPv4Network(subnet).prefixlen
     names = [f"{prefix}-host1", f"{prefix}-host2"]
     ends = [f"{prefix}-a", f"{prefix}-b"]  # the cable's ends before they move in (<= 15 chars)
-    if len(ends[0]) > 15:
-        raise HostError(f"--prefix {prefix!r} is too long (at most 13 characters)")
     existing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
     if any(n in existing for n in names):
         raise HostError(f"namespaces {names[0]}/{names[1]} already exist: another run is going on, "
@@ -113,9 +137,6 @@ def create_hosts(workdir: Path, *, prefix: str = "llmg", subnet: str = "10.77.0.
     except BaseException:
         teardown(hosts)
         raise
-    for i in range(2):
-        hosts.cache(i).mkdir(parents=True, exist_ok=True)
-        hosts.save_dir(i).mkdir(parents=True, exist_ok=True)
     return hosts
 
 
@@ -243,6 +264,9 @@ def _interrupt(signum, frame):
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
+        check_prefix(args.prefix)  # before anything is made or removed
+        if not args.teardown and Path(args.workdir).exists() and not Path(args.workdir).is_dir():
+            raise HostError(f"--workdir {args.workdir!r} exists and is not a folder")
         check_can_create()
         if args.teardown:
             remove_namespaces([f"{args.prefix}-host1", f"{args.prefix}-host2"])

@@ -92,6 +92,23 @@ def test_the_proof_fails_on_a_wrong_weight(one_rank_group):
     assert diffs["zero1"]["max_abs_diff_vs_ddp"] == pytest.approx(1e-9, rel=1e-6)
 
 
+
+def test_memtracker_measures_zero3_without_a_warning(one_rank_group):
+    """ZeRO-3 sets .grad to None in its hook before MemTracker's runs: MemTracker's
+    UserWarning about it (once per rank) is silenced, and the peak is still measured."""
+    import warnings
+    torch.set_num_threads(1)
+    args = argparse.Namespace(seed=0, lr=1e-3)
+    trainer = sharded.TRAINERS["zero3"]("zero3", args, sharded.get_config("tiny", 300), one_rank_group,
+                                        torch.float32)
+    x = torch.randint(0, 300, (2, 16))
+    trainer.step(x, x)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        peak = sharding.peak_step_bytes(trainer, (x, x))
+    assert peak > 0
+    assert [str(w.message) for w in caught if issubclass(w.category, UserWarning)] == []
+
 def test_the_rounding_bound():
     """0 where the sum cannot change (2 ranks); otherwise proportional to lr and to the
     largest gradient; capped by what AdamW can move in a step; and Adam's |m/sqrt(v)|

@@ -9,11 +9,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from common.cli import base_parser, check_args, script_parser
 from common.distributed import BACKEND_ENV, backend_for, gpu_sharing_error
-from common.errors import UsageError, fail
-from conftest import REPO, load_script, refused
+from common.errors import UsageError, fail, run_main
+from conftest import REPO, TINY, load_script, refused
 
 
 def parse(save_dir, *argv, **kwargs):
@@ -146,6 +147,41 @@ def test_other_ranks_wait_then_speak_for_themselves(capsys, monkeypatch):
     assert capsys.readouterr().err == "error: [rank 1] same message\n"
 
 
+
+def test_out_of_memory_is_one_line_naming_the_batch_size(capsys, monkeypatch):
+    """CUDA's OutOfMemoryError, raised in the middle of a step, ends the run with one
+    line that says which flag to lower (exit status 1), not a traceback."""
+    monkeypatch.delenv("RANK", raising=False)
+
+    def main():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore")
+    with pytest.raises(SystemExit) as exit_:
+        run_main(main)
+    assert exit_.value.code == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Tried to allocate 2.00 GiB" in err and "--batch-size" in err, err
+    with pytest.raises(RuntimeError, match="an unrelated"):  # other errors keep their traceback
+        run_main(lambda: (_ for _ in ()).throw(RuntimeError("an unrelated bug")))
+
+
+def test_out_of_memory_in_a_chapter_step(tmp_path, capsys, monkeypatch):
+    """Chapter 01 in this process, its forward made to fail as the CPU allocator does
+    when the batch does not fit: the run stops with the one line."""
+    ch01 = load_script("01-single-gpu/train_llm.py")
+
+    def no_memory(*_):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:118] DefaultCPUAllocator: not enough "
+                           "memory: you tried to allocate 1073741824 bytes.")
+    monkeypatch.setattr(ch01, "compute_loss", no_memory)
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(sys, "argv", ["train_llm.py", "--save-dir", str(tmp_path), "--max-steps", "2",
+                                      *TINY])
+    with pytest.raises(SystemExit) as exit_:
+        run_main(ch01.main)
+    assert exit_.value.code == 1
+    err = [l for l in capsys.readouterr().err.splitlines() if l.startswith("error")]
+    assert len(err) == 1 and "not enough memory" in err[0] and "--batch-size" in err[0], err
+
 SCRIPTS_AND_BAD_FLAGS = [
     ("03-ddp/train_llm.py", ["--batch-size", "0"], "--batch-size"),
     ("04-checkpointing/train_llm.py", ["--keep-last", "0"], "--keep-last"),
@@ -176,8 +212,9 @@ def test_bad_flag_under_torchrun_always_shows_its_line(tmp_path):
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
          str(REPO / "03-ddp/train_llm.py"), "--batch-size", "0", "--save-dir", str(tmp_path)],
         cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0
     assert "exitcode  : 2" in proc.stderr  # each worker exits with status 2
+    # the shell gets torchrun's own status, after its report (what the READMEs say)
+    assert proc.returncode == 1 and "ChildFailedError" in proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert lines and "argument --batch-size" in lines[0], proc.stderr[-2000:]
     assert not any(tmp_path.iterdir())

@@ -194,6 +194,15 @@ def test_metrics_writer_lines_are_on_disk_at_once(tmp_path):
     assert [r["step"] for r in read_metrics(path)] == [1, 2, 3]
 
 
+
+def test_a_line_that_is_not_utf8_or_too_deep_is_skipped(tmp_path):
+    """A metrics.jsonl with a line in another encoding and one nested past the JSON
+    parser's depth still reads (a resume rewrites the file from these records)."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"step": 1, "loss": 2.5}\n{"step": 2, "note": "caf\xe9"}\n'
+                     + b"[" * 100_000 + b"\n" + b'{"step": 3, "loss": 2.0}\n')
+    assert [r["step"] for r in read_metrics(path)] == [1, 3]
+
 def test_write_json_is_atomic(tmp_path, monkeypatch):
     path = tmp_path / "summary.json"
     write_json(path, {"a": 1})
@@ -286,3 +295,64 @@ def test_mfu_over_100_percent_asks_to_remeasure_the_peak():
     assert any("--remeasure" in note for note in s["notes"])
     assert "--remeasure" in throughput_table(s)
     assert "notes" not in summary_for(peak=Peak(95e9, "fp32", "measured"))
+
+
+
+def tracked_run(save_dir, monkeypatch, world_size: int, padded: bool = True) -> tuple[dict, list[dict], int]:
+    """Six steps of 16 tokens, 12 of them real if `padded`, through the Tracker, logged at
+    steps 3 and 6; a matching chapter 01 summary sits in --save-dir. Returns the summary,
+    the metrics records and how often a count was read back from a tensor."""
+    import logging
+
+    from common.tracker import Tracker
+    monkeypatch.setattr(summary, "device_peak", lambda device, dtype: Peak(1e9, "fp32", "measured"))
+    (save_dir / "base").mkdir(parents=True)
+    write_json(save_dir / "base" / "summary.json",
+               {"chapter": "01-single-gpu", "experiment_name": "base", "preset": "tiny",
+                "seq_length": 8, "batch_size": 2, "device": "cpu", "dtype": "fp32", "tokens_per_s": 1e9})
+    args = argparse.Namespace(experiment_name="run", model_preset="tiny", seq_length=8,
+                              batch_size=2, padded=padded, baseline=None, save_dir=str(save_dir))
+    (save_dir / "run").mkdir()
+    reads = []
+    real_float = torch.Tensor.__float__
+    monkeypatch.setattr(torch.Tensor, "__float__", lambda t: reads.append(1) or real_float(t))
+    t = Tracker("03-ddp", save_dir / "run", "cpu", 6, 16, logging.getLogger("test"),
+                threads=(1, world_size), args=args, dtype="fp32", num_params=1000,
+                flops_per_token=1e4, world_size=world_size)
+    for step in range(1, 7):
+        t.start_step()
+        with t.phase("forward"):
+            sum(range(20000))  # some time passes
+        before = len(reads)
+        if padded:
+            t.end_step(torch.tensor(12))
+        else:
+            t.end_step()
+        assert len(reads) == before  # a step never waits to read its count
+        if step % 3 == 0:
+            t.log(step, loss=1.0, lr=1e-3)
+    s = t.finish(final_loss=1.0, val_loss=None)
+    return s, read_metrics(save_dir / "run" / "metrics.jsonl"), len(reads)
+
+
+def test_padded_real_tokens_are_counted_on_the_device_and_shown(tmp_path, monkeypatch, capsys):
+    """--padded: tokens/s counts the padding, so the real tokens/s is shown beside it
+    (metrics, summary, table), from counts added up without a wait per step."""
+    s, records, reads = tracked_run(tmp_path, monkeypatch, world_size=1)
+    assert reads == 3  # read at the two logs and once for the summary
+    assert s["real_tokens_per_s"] == pytest.approx(0.75 * s["tokens_per_s"])
+    assert [r["real_tokens_per_s"] / r["tokens_per_s"] for r in records] == pytest.approx([0.75, 0.75])
+    row = next(l for l in capsys.readouterr().out.splitlines() if "tokens/s real" in l)
+    assert f"{s['real_tokens_per_s']:,.1f}" in row
+
+
+def test_scaling_efficiency_only_with_more_than_one_process(tmp_path, monkeypatch, capsys):
+    """A one-process chapter 03 run is no scaling: no efficiency against chapter 01; two
+    processes get one."""
+    one, _, _ = tracked_run(tmp_path / "one", monkeypatch, world_size=1, padded=False)
+    assert "scaling_efficiency" not in one
+    assert "scaling efficiency" not in capsys.readouterr().out
+    two, _, _ = tracked_run(tmp_path / "two", monkeypatch, world_size=2, padded=False)
+    assert two["scaling_efficiency"] == pytest.approx(two["tokens_per_s_per_device"] / 1e9)
+    assert "| scaling efficiency " in capsys.readouterr().out
+    assert "| scaling efficiency " not in throughput_table({**two, "world_size": 1})

@@ -190,3 +190,23 @@ def test_thread_budget_per_process(monkeypatch, device, cores, expected):
         assert torch.get_num_threads() == expected
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_cache_that_cannot_be_written_costs_one_warning_not_the_run(tmp_path, monkeypatch, capsys):
+    """A read-only or full cache folder (here a file stands where the folder would be):
+    the measured peak is still returned, with one warning line, so a finished run still
+    writes its summary."""
+    monkeypatch.setattr(peak, "measure_matmul_peak", lambda device, precision: 4e9)
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("")
+    assert measured_peak("cpu", "fp32", cache_dir=blocked / "cache") == 4e9
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("warning: ") and "measured again" in err, err
+
+
+def test_an_unknown_device_is_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        peak_command(["--device", "tpu"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--device" in err and "tpu" in err, err

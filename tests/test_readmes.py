@@ -320,3 +320,24 @@ def test_readme_commands_parse_and_run(chapter, tmp_path, monkeypatch):
 def test_launched_by_names_only_readme_commands():
     commands = {re.sub(r"\s+#.*$", "", c) for ch in [*CHAPTERS, "."] for c, _ in readme_commands(ch)}
     assert set(LAUNCHED_BY) <= commands, set(LAUNCHED_BY) - commands
+
+
+# A promised exit status; under torchrun it is the workers', not the shell's.
+PROMISED_STATUS = re.compile(r"\bexit(s|ing)?( with)?( status)? (2|130|143)\b|\((130|143) for")
+# Paragraphs about tools a reader runs with python, where the status is the shell's.
+PYTHON_LAUNCHED = ("tests/test_plan.py",)  # python -m common.plan
+
+
+def test_statuses_promised_for_torchrun_runs_say_what_the_shell_sees():
+    """Where a README promises exit status 2, 130 or 143 for a script torchrun launches,
+    the same paragraph says that the shell sees torchrun's own status (1, after its
+    ChildFailedError report): tests/test_cli.py shows torchrun returning 1 for a worker's 2."""
+    missing = []
+    for readme in [REPO / "README.md"] + [REPO / c / "README.md" for c in ("03-ddp", "04-checkpointing",
+                                                                          "05-collectives")]:
+        prose = re.sub(r"```.*?```", "", readme.read_text(), flags=re.S)
+        for paragraph in re.split(r"\n\s*\n", prose):
+            if PROMISED_STATUS.search(paragraph) and "torchrun's own status" not in paragraph \
+                    and not any(tool in paragraph for tool in PYTHON_LAUNCHED):
+                missing.append(f"{readme.relative_to(REPO)}: {paragraph.strip()[:120]}")
+    assert not missing, "\n".join(missing)

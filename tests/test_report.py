@@ -314,3 +314,70 @@ def test_odd_but_harmless_inputs_do_not_stop_the_report(tmp_path):
     class Run:
         name, summary = "r", {"notes": "one note"}
     assert notes_section([Run()]) == ["- r: one note"]
+
+
+def test_broken_runs_beside_a_good_one_still_give_a_report(tmp_path, capsys):
+    """Runs with an infinite tokens/s, a NaN step time, a binary metrics.jsonl, or a
+    summary nested past the JSON parser's depth: each is skipped or read around with one
+    warning line, and the report of the rest is written."""
+    root = tmp_path / "runs"
+    phases = {"data": 0.01, "forward": 0.1, "backward": 0.2, "update": 0.05}
+    for name in ("good", "inf", "nan", "binary"):
+        fake_run(root / name, "01-single-gpu", world=1, tokens=1024, phases=phases,
+                 final_loss=2.5, losses=[3.0, float("nan"), 2.5])
+    for name, key, value in (("inf", "tokens_per_s", float("inf")), ("nan", "step_time_s", None)):
+        s = json.loads((root / name / "summary.json").read_text())
+        if value is None:
+            s[key]["forward"] = float("nan")
+        else:
+            s[key] = value
+        (root / name / "summary.json").write_text(json.dumps(s))  # NaN and Infinity, as Python writes them
+    (root / "binary" / "metrics.jsonl").write_bytes(bytes(range(256)) * 8)
+    (root / "deep").mkdir()
+    (root / "deep" / "summary.json").write_text("[" * 100_000 + "]" * 100_000)
+    assert report.main([str(root), "--out", str(tmp_path / "out")]) == 0
+    captured = capsys.readouterr()
+    rows = table_rows(captured.out)
+    assert sorted(r[1] for r in rows) == ["binary", "good"]
+    warnings = captured.err.splitlines()
+    assert len(warnings) == 3 and all(w.startswith("warning: skipping") for w in warnings), warnings
+    assert not any(w.startswith("Traceback") for w in warnings)
+    for name in report.PLOTS:
+        assert_png(tmp_path / "out" / name)
+
+
+def test_an_out_folder_that_cannot_be_written_is_one_line(runs_dir, tmp_path, capsys, monkeypatch):
+    """Under a file, or on a read-only file system: one line, exit 2, before any work."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert report.main([str(runs_dir), "--out", str(blocker / "report")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--out" in err and "is a file" in err, err
+
+    def read_only(*args, **kwargs):
+        raise OSError(30, "Read-only file system")
+    monkeypatch.setattr("common.cli.tempfile.mkstemp", read_only)
+    assert report.main([str(runs_dir), "--out", str(tmp_path / "report")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Read-only file system" in err, err
+    assert not (tmp_path / "report").exists()
+
+
+def test_busy_and_padded_runs_are_marked_in_the_plot_as_in_the_table(tmp_path, capsys):
+    """A run on a busy machine carries the table's mark in the tokens/s plot too (not a
+    bare bar that looks twice as fast), and a --padded run shows its real tokens/s."""
+    root = tmp_path / "runs"
+    phases = {"data": 0.01, "forward": 0.1, "backward": 0.2, "update": 0.05}
+    fake_run(root / "quiet", "01-single-gpu", world=1, tokens=1024, phases=phases, final_loss=2.5,
+             losses=[3.0], extra={"load_avg_max": 0.5, "cpu_cores": 2})
+    fake_run(root / "busy-padded", "03-ddp", world=2, tokens=2048, phases=phases, final_loss=2.5,
+             losses=[3.0], extra={"load_avg_max": 9.0, "cpu_cores": 2, "real_tokens_per_s": 1234.0})
+    runs = report.load_runs(report.find_summaries([root]))
+    by_name = dict(zip([r.name for r in runs], zip(report.row_labels(runs), report.tokens_labels(runs))))
+    assert report.BUSY_MARK not in " ".join(by_name["quiet"])
+    row, value = by_name["busy-padded"]
+    assert row.endswith(report.BUSY_MARK) and report.BUSY_MARK in value and "(1,234 real)" in value
+    assert report.main([str(root), "--out", str(tmp_path / "out")]) == 0
+    cols = header(capsys.readouterr().out)
+    assert "real tokens/s" in cols
+    assert_png(tmp_path / "out" / "tokens_per_s.png")

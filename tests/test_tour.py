@@ -4,7 +4,9 @@ ends with the comparison report."""
 
 from __future__ import annotations
 
+import json
 import sys
+import time
 
 import pytest
 
@@ -105,6 +107,22 @@ def test_bad_flags_exit_2_with_one_line_before_any_work(tmp_path, capsys, flags,
     assert not out.exists()
 
 
+
+def test_an_out_folder_that_cannot_be_written_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert tour.main(["--out", str(blocker / "tour")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--out" in err and "is a file" in err, err
+
+    def read_only(*args, **kwargs):
+        raise OSError(30, "Read-only file system")
+    monkeypatch.setattr("common.cli.tempfile.mkstemp", read_only)
+    assert tour.main(["--out", str(tmp_path / "tour")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert "Read-only file system" in captured.err and not (tmp_path / "tour").exists()
+
 def test_bad_flag_from_the_command_line(tmp_path):
     proc = run([sys.executable, "-m", "common.tour", "--chapters", "01,06"], check=False)
     assert proc.returncode == 2 and proc.stdout == ""
@@ -158,6 +176,57 @@ def test_failing_chapter_stops_the_tour_and_says_where(tmp_path, monkeypatch, ca
     assert "about to fail" in (out / "02-data-parallel.log").read_text()
     assert not (out / "03-ddp.log").exists()
 
+
+
+def test_the_terminal_gets_a_narrow_table_and_report_md_gets_everything(tmp_path, capsys):
+    """The end of a tour, in this process, over a folder as a tour leaves it: the terminal
+    shows tokens/s and loss in lines a terminal fits; report.md holds the wide table, the
+    explanations printed, chapter 05's tables and every file produced."""
+    from test_report import fake_run
+    args = tour.parse_args(["--out", str(tmp_path / "unused")], gpus=0)
+    out = args.out_dir = tmp_path / "tour"
+    phases = {"data": 0.01, "forward": 0.1, "backward": 0.2, "update": 0.05}
+    for chapter, world in (("01-single-gpu", 1), ("03-ddp", 2), ("04-checkpointing", 2)):
+        fake_run(out / chapter, chapter, world=world, tokens=1024 * world, phases=phases,
+                 final_loss=2.5, losses=[3.0, 2.5], extra={"notes": [f"a note of {chapter}"]})
+        (out / f"{chapter}.log").write_text("log\n")
+    (out / "04-checkpointing" / "checkpoints" / "step-00000010").mkdir(parents=True)
+    (out / "04-checkpointing" / "checkpoints" / "step-00000010" / "state.pt").write_bytes(b"x")
+    bench = {"rows": [{"op": op, "requested_bytes": 2**20, "busbw_gbps": 1.5, "time_s": 1e-3}
+                      for op in ("all_reduce", "broadcast")], "world_size": 2, "backend": "gloo"}
+    scratch = {"modes": {"naive": {"tokens_per_s": 900.0, "tokens_per_s_vs_ddp": 0.9,
+                                   "step_time_s_median": 0.1, "sync_time_s_median": 0.01,
+                                   "allreduce_calls_per_step": 20, "max_rel_diff_vs_ddp": 0.0}},
+               "passed": True}
+    mode = {"bytes": {"params": 2**20, "grads": 2**20, "optimizer": 2**21, "peak_step": 2**22},
+            "tokens_per_s": 800.0, "tokens_per_s_vs_ddp": 0.8, "step_time_s_median": 0.1,
+            "comm_calls_per_step": {"all_gather": 2.0}, "comm_sent_bytes_per_step": {"all_gather": 2**20},
+            "textbook_sent_bytes_per_step": 2**20, "max_abs_diff_vs_ddp": 0.0}
+    for name, obj in (("05-bench/bench_collectives.json", bench),
+                      ("05-ddp-from-scratch/ddp_from_scratch.json", scratch),
+                      ("05-sharded-from-scratch/sharded_from_scratch.json",
+                       {"modes": {"ddp": mode, "zero3": mode}, "passed": True})):
+        (out / name).parent.mkdir()
+        (out / name).write_text(json.dumps(obj))
+    tour.print_summary(args, [], time.perf_counter())
+    printed = capsys.readouterr().out
+    table = [l for l in printed.splitlines() if l.startswith("| ")]
+    ours = table[:table.index(next(l for l in table if l.startswith("| size")))]  # before 05's tables
+    assert len(ours) == 2 + 3 and max(map(len, ours)) <= 100, ours
+    assert "tokens/s" in ours[0] and "final loss" in ours[0] and "notes" in ours[0]
+    assert "1. a note of 01-single-gpu" in printed
+    md = (out / "report.md").read_text()
+    wide = next(l for l in md.splitlines() if l.startswith("| chapter"))
+    assert "MFU" in wide and "peak memory" in wide                 # every column
+    assert "Batch sizes: every process ran" in md and "On CPU the 2 processes" in md
+    assert "Batch sizes: every process ran" in printed
+    for title in ("05 collective benchmark", "05 data parallelism from collectives",
+                  "05 sharded training from collectives"):
+        assert f"## {title}" in md and title in printed
+    assert "peak in step MiB (MemTracker)" in md
+    for f in out.rglob("*"):
+        if f.is_file():
+            assert f"`{f.relative_to(out)}`" in md, f
 
 def test_short_real_tour(tmp_path):
     """The chapters run for real (tiny sizes, 2 steps: the fewest every chapter 05 script

@@ -289,3 +289,26 @@ def test_two_hosts_command_refuses_bad_input_in_one_line(monkeypatch, capsys, ar
         two_hosts.main(argv)
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and len(err) == 1 and err[0].startswith(message), err
+
+
+def test_a_bad_prefix_or_workdir_is_refused_before_any_namespace(monkeypatch, capsys, tmp_path):
+    """`--prefix "a b"` and a --workdir that is a file: one line, exit status 2, and not
+    one `ip` command run (no namespace to leak), from the command and from create_hosts."""
+    from common import two_hosts
+    monkeypatch.setattr(two_hosts.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(two_hosts.shutil, "which", lambda name: f"/usr/sbin/{name}")
+    ip_calls = []
+    monkeypatch.setattr(two_hosts, "_ip", lambda *args: ip_calls.append(args))
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    for argv, message in ((["--prefix", "a b", "03-ddp/train_llm.py"], "--prefix 'a b': use only"),
+                          (["--prefix", "a/b", "--teardown"], "--prefix 'a/b': use only"),
+                          (["--workdir", str(a_file), "03-ddp/train_llm.py"], "is not a folder")):
+        with pytest.raises(SystemExit) as exit_info:
+            two_hosts.main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exit_info.value.code == 2 and len(err) == 1 and message in err[0], err
+    for kwargs, message in (({"prefix": "a b"}, "use only"), ({}, "cannot create")):
+        with pytest.raises(two_hosts.HostError, match=message):
+            two_hosts.create_hosts(a_file / "sub", **kwargs)
+    assert ip_calls == []
