@@ -6,12 +6,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from warm import Zygote, as_launch, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,19 +33,41 @@ def guide_cache(tmp_path_factory):
     return cache
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["free_port"]  # the tests import it from here
+_zygote = None
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _warm_interpreter():
+    """The zygote of `run` ends with the session (and is waited for)."""
+    yield
+    if _zygote is not None:
+        _zygote.close()
 
 
 def run(cmd: list[str], *, timeout: float = 300, cwd: Path = REPO, env: dict | None = None,
-        check: bool = True) -> subprocess.CompletedProcess:
+        check: bool = True, warm: bool = True) -> subprocess.CompletedProcess:
     """Run a command; stdout and stderr kept apart; on an unexpected status, fail with
-    the output so the log says why."""
+    the output so the log says why. `python script ...` and `torchrun --standalone
+    --nproc-per-node=N script ...` run as forks of one interpreter that has imported torch
+    already (tests/zygote.py: the script, its arguments, environment and ranks are the
+    same; what is saved is `import torch` in every process). warm=False, a command with
+    other torchrun flags, and an environment that changes what torch reads at import
+    (TORCH_DISTRIBUTED_DEBUG...) start a fresh interpreter: the tests of what torchrun
+    itself does (signals to its group, restarts, its exit status and messages) run the
+    real one. LLM_GUIDE_COLD_LAUNCH=1 starts a fresh one for every launch."""
+    global _zygote
+    cmd = [str(c) for c in cmd]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=full_env, capture_output=True,
-                          text=True, timeout=timeout)
+    launch = as_launch(cmd) if warm and not os.environ.get("LLM_GUIDE_COLD_LAUNCH") else None
+    if launch is not None and _zygote is None:
+        _zygote = Zygote(REPO)
+    if launch is not None and _zygote.can_run(full_env):
+        code, out, err = _zygote.run(*launch, cwd=cwd, env=full_env, timeout=timeout)
+        proc = subprocess.CompletedProcess(cmd, code, out, err)
+    else:
+        proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True,
+                              timeout=timeout)
     if check and proc.returncode != 0:
         pytest.fail(f"{' '.join(map(str, cmd))} exited {proc.returncode}\n"
                     f"--- stdout\n{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-6000:]}")
@@ -113,7 +135,8 @@ def ch01_smoke(tmp_path_factory):
     (process, run folder, metrics records, summary)."""
     save_dir = tmp_path_factory.mktemp("ch01")
     proc = run(python_cmd("01-single-gpu/train_llm.py", *TINY, "--max-steps", CH01_STEPS,
-                          "--save-dir", save_dir, "--experiment-name", "smoke"), env=NO_GPU)
+                          "--save-dir", save_dir, "--experiment-name", "smoke"), env=NO_GPU,
+               warm=False)  # the README's first command, in a fresh interpreter as a reader runs it
     run_dir = save_dir / "smoke"
     return proc, run_dir, read_jsonl(run_dir / "metrics.jsonl"), read_json(run_dir / "summary.json")
 

@@ -26,7 +26,7 @@ def runs(tmp_path_factory, ch01_smoke):
     out = {"ch01": ch01_smoke[:2]}
     for name, extra in RUNS.items():
         proc = run(python_cmd(SCRIPT, *TINY, "--max-steps", STEPS, "--save-dir", save_dir,
-                              "--experiment-name", name, *extra), env=NO_GPU)
+                              "--experiment-name", name, *extra), env=NO_GPU, warm=False)
         out[name] = (proc, save_dir / name)
     return out
 

@@ -1,0 +1,163 @@
+"""A warm interpreter for the suite's launches: it imports torch once, then forks a
+fresh process for every launch it is asked for, so a launch costs a fork, not the 2-3 s
+of CPU that `import torch` takes in every new interpreter.
+
+It never runs a torch operation itself (no thread pool to inherit across fork). Each
+request (one JSON line on stdin) names a script, its arguments, environment, folder and
+output files, and a number of ranks: 0 runs the script as `python script.py` would;
+N >= 1 runs N ranks with the variables torchrun gives its workers, under a small
+launcher process that, like torchrun, stops the other ranks when one fails and exits 1.
+The reply lines on stdout: {"started": pid}, later {"pid": pid, "status": code}, where
+code is the exit status, or -signal. The pid is a process group leader: killpg stops
+all of a launch."""
+
+import importlib
+import json
+import os
+import runpy
+import select
+import signal
+import sys
+import time
+
+# the point: imported once here, inherited by every fork (the repo's own modules too)
+PRELOAD = ["torch", "torch.distributed", "torch.nn.functional", "torch.utils.data",
+           "common.data", "common.model", "common.training", "common.tracker"]
+STARTUP_PATH = list(sys.path)  # [this folder, the interpreter's own entries...]
+RANK_GRACE_S = 30  # torchrun's default grace between SIGTERM and SIGKILL of the others
+
+
+def become(request: dict, env: dict) -> None:
+    """In a forked child: the process `python script args` would be, then run it."""
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(request["cwd"])
+    script = os.path.realpath(os.path.join(request["cwd"], request["argv"][0]))
+    sys.argv = [request["argv"][0], *request["argv"][1:]]
+    sys.path[:] = [os.path.dirname(script), *STARTUP_PATH[1:]]
+    runpy.run_path(script, run_name="__main__")
+    sys.exit(0)
+
+
+def redirect(request: dict) -> None:
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+        out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(out, fd)
+        os.close(out)
+    os.close(null)
+    sys.stdin = open(os.devnull)
+    sys.stdout = os.fdopen(1, "w", buffering=1)
+    sys.stderr = os.fdopen(2, "w", buffering=1)
+
+
+def launch_ranks(request: dict) -> int:
+    """torchrun --standalone --nproc-per-node=N, as far as its workers can tell."""
+    n = request["nproc"]
+    base = {**request["env"], "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(request["port"]),
+            "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n), "GROUP_RANK": "0",
+            "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default", "ROLE_WORLD_SIZE": str(n),
+            "TORCHELASTIC_RUN_ID": f"warm-{os.getpid()}", "TORCHELASTIC_RESTART_COUNT": "0",
+            "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_USE_AGENT_STORE": "False"}
+    ranks = {}
+    for rank in range(n):
+        pid = os.fork()
+        if pid == 0:
+            become(request, {**base, "RANK": str(rank), "LOCAL_RANK": str(rank),
+                             "ROLE_RANK": str(rank)})
+        ranks[pid] = rank
+    # a signal to the launcher is passed on to the ranks, as torchrun's agent does
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda s, _: [os.kill(p, s) for p in ranks])
+    failed = False
+    deadline = None
+    while ranks:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG if deadline else 0)
+        except ChildProcessError:
+            break
+        if pid == 0:
+            if time.monotonic() > deadline:
+                for p in ranks:
+                    os.kill(p, signal.SIGKILL)
+                deadline = None
+            time.sleep(0.05)
+            continue
+        ranks.pop(pid, None)
+        if os.waitstatus_to_exitcode(status) != 0 and not failed:
+            failed = True
+            for p in ranks:
+                os.kill(p, signal.SIGTERM)
+            deadline = time.monotonic() + RANK_GRACE_S
+    return 1 if failed else 0
+
+
+def start(request: dict) -> int:
+    pid = os.fork()
+    if pid:
+        return pid
+    try:
+        os.setpgid(0, 0)
+        redirect(request)
+        if request["nproc"] == 0:
+            become(request, request["env"])
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        code = launch_ranks(request)
+    except (SystemExit, KeyboardInterrupt):  # the interpreter's own exit, as in `python`
+        raise
+    except BaseException:  # the launcher itself broke: say so where the test reads
+        import traceback
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def reply(message: dict) -> None:
+    sys.__stdout__.write(json.dumps(message) + "\n")
+    sys.__stdout__.flush()
+
+
+def serve() -> None:
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    children = set()
+    stdin = sys.stdin.fileno()
+    buffer = b""
+    while True:
+        ready, _, _ = select.select([stdin, wake_r], [], [])
+        if wake_r in ready:
+            os.read(wake_r, 4096)
+        while children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            children.discard(pid)
+            reply({"pid": pid, "status": os.waitstatus_to_exitcode(status)})
+        if stdin in ready:
+            chunk = os.read(stdin, 65536)
+            if not chunk:
+                return
+            buffer += chunk
+            while b"\n" in buffer:
+                line, buffer = buffer.split(b"\n", 1)
+                pid = start(json.loads(line))
+                children.add(pid)
+                reply({"started": pid})
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, sys.argv[1])  # the repo
+    for name in PRELOAD:
+        importlib.import_module(name)
+    serve()
