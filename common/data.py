@@ -453,37 +453,45 @@ def token_files(corpus: Corpus, tok, cache_dir: Path | None = None, val_fraction
                 split_seed: int = 0) -> tuple[Documents, Documents]:
     """The train and validation splits as memory-mapped token files, written once per
     machine into the cache folder `tokens-<key>/` (train.bin, train.idx, val.bin,
-    val.idx, meta.json) and opened from there by every later call.
+    val.idx, meta.json) and opened from there by every later call."""
+    path = token_cache_path(corpus, tok, cache_dir, val_fraction, split_seed)
+    if not (path / "meta.json").exists():
+        write_token_files(path, lambda scratch: tokenize_corpus(corpus, tok, scratch), tok,
+                          {"corpus": corpus.identity}, val_fraction, split_seed)
+    return _open_token_files(path)
+
+
+def write_token_files(path: Path, tokenize, tok, meta: dict, val_fraction: float = 0.05,
+                      split_seed: int = 0) -> None:
+    """Build the cache folder `path` from `tokenize(scratch)` (a datasets.Dataset of `ids`;
+    `scratch` is a folder for its files, removed afterwards).
 
     The folder is built under a temporary name and renamed into place whole (every file
     forced to disk first), so a killed run leaves no half cache and two jobs that build
     it at once both end up reading one complete copy."""
-    path = token_cache_path(corpus, tok, cache_dir, val_fraction, split_seed)
-    cache_dir, key, tok_hash = path.parent, path.name.removeprefix("tokens-"), _tokenizer_hash(tok)
-    if not (path / "meta.json").exists():
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=f".tmp-tokens-{key}-"))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".tmp-{path.name}-"))
+    try:
+        (tmp / "scratch").mkdir()
+        tokenized = tokenize(tmp / "scratch")
+        dtype, eot_id = token_dtype(tok.get_vocab_size()), tok.token_to_id(EOT)
+        counts = _write_split_files(tokenized, split_mask(len(tokenized), val_fraction, split_seed),
+                                    eot_id, dtype, tmp)
+        del tokenized
+        shutil.rmtree(tmp / "scratch", ignore_errors=True)
+        meta = {"format": TOKEN_FORMAT, "dtype": dtype.name, **meta,
+                "tokenizer_sha256": _tokenizer_hash(tok), "eot_id": eot_id,
+                "val_fraction": val_fraction, "split_seed": split_seed, **counts}
+        fsync_write(tmp / "meta.json", lambda f: f.write(json.dumps(meta, indent=1).encode()))
         try:
-            (tmp / "scratch").mkdir()
-            tokenized = tokenize_corpus(corpus, tok, scratch=tmp / "scratch")
-            dtype = token_dtype(tok.get_vocab_size())
-            counts = _write_split_files(tokenized, split_mask(len(tokenized), val_fraction, split_seed),
-                                        tok.token_to_id(EOT), dtype, tmp)
-            del tokenized
-            shutil.rmtree(tmp / "scratch", ignore_errors=True)
-            meta = {"format": TOKEN_FORMAT, "dtype": dtype.name, "corpus": corpus.identity,
-                    "tokenizer_sha256": tok_hash, "eot_id": tok.token_to_id(EOT),
-                    "val_fraction": val_fraction, "split_seed": split_seed, **counts}
-            fsync_write(tmp / "meta.json", lambda f: f.write(json.dumps(meta, indent=1).encode()))
-            try:
-                os.rename(tmp, path)  # atomic; fails if another job's copy is already there
-                fsync_dir(cache_dir)
-            except OSError:
-                if not (path / "meta.json").exists():
-                    raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return _open_token_files(path)
+            os.rename(tmp, path)  # atomic; fails if another job's copy is already there
+            fsync_dir(path.parent)
+        except OSError:
+            if not (path / "meta.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _open_token_files(path: Path) -> tuple[Documents, Documents]:
@@ -616,7 +624,7 @@ __all__ = ["DataError", "Corpus", "Data", "Documents", "PackedDataset", "PaddedD
            "build_datasets", "check_dataset_name", "check_enough_samples", "dataset_info",
            "default_cache_dir", "get_tokenizer", "load_corpus", "load_tokenizer", "looks_local",
            "local_files", "open_corpus", "special_ids", "split_mask", "stdlib_files",
-           "token_cache_path", "token_dtype", "token_files", "tokenize_corpus",
+           "token_cache_path", "token_dtype", "token_files", "write_token_files", "tokenize_corpus",
            "train_tokenizer", "IGNORE_INDEX", "PAD", "BOT", "EOT", "SPECIAL_TOKENS"]
 
 
