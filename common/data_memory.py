@@ -12,7 +12,7 @@ then runs chapter 03 on it with torchrun (tiny preset, a few steps, the default
 is warm: the corpus's identity, the tokenizer, the token files memory-mapped. Each rank
 reads its own peak resident set (VmHWM) as it exits. The figures include the pages of
 the memory-maps a rank has read: the model, the batches, and the sampler's index list
-(8 bytes a sample in torch, one Python int a sample in the rank's share) are what grows.
+(a Python list of every sample's index) are what grows.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import argparse
 import atexit
 import json
 import os
-import resource
 import runpy
 import subprocess
 import sys
@@ -37,20 +36,22 @@ REPO = Path(__file__).resolve().parents[1]
 STAND_IN = "A stand-in corpus: its tokens are written straight into the cache.\n"
 
 
+def status_mb(field: str) -> float:
+    """A memory figure of this process from /proc/self/status (Linux), in MB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) / 1024
+    raise OSError(f"no {field} in /proc/self/status")
+
+
 def peak_rss_mb() -> float:
     """This process's peak resident set (VmHWM), in MB."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return status_mb("VmHWM")
 
 
 def current_rss_mb() -> float:
     """This process's resident set now (VmRSS), in MB."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise OSError("no VmRSS in /proc/self/status")
+    return status_mb("VmRSS")
 
 
 def synthetic_ids(folder: Path, tokens: int, vocab_size: int, seed: int = 0, chunk: int = 1 << 23):
@@ -94,12 +95,39 @@ def synthetic_corpus(root: Path, tokens: int, vocab_size: int = 1024) -> tuple[P
     return corpus_file, tok_file
 
 
+def _workers_peak(peaks: dict, stop) -> None:
+    """Poll this process's children that run the same program (its DataLoader workers,
+    forked) and keep each one's peak resident set, in MB, in `peaks`."""
+    me = Path("/proc/self/cmdline").read_bytes()
+    while not stop.wait(0.05):
+        for tid in Path("/proc/self/task").iterdir():
+            try:
+                children = (tid / "children").read_text().split()
+            except OSError:
+                continue
+            for pid in children:
+                try:
+                    if Path(f"/proc/{pid}/cmdline").read_bytes() != me:
+                        continue  # a helper program, not a worker
+                    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                        if line.startswith("VmHWM:"):
+                            peaks[pid] = max(peaks.get(pid, 0), int(line.split()[1]) / 1024)
+                except OSError:
+                    pass  # it ended meanwhile
+
+
 def report_rank(folder: str, script: str, args: list[str]) -> None:
-    """Run `script` as this rank's program, and write its peak RSS into `folder` at exit."""
+    """Run `script` as this rank's program, and write its peak RSS (and its DataLoader
+    workers') into `folder` at exit."""
+    import threading
+
+    peaks, stop = {}, threading.Event()
+    threading.Thread(target=_workers_peak, args=(peaks, stop), daemon=True).start()
+
     def write():
-        children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+        stop.set()
         Path(folder, f"rank-{os.environ.get('RANK', '0')}.json").write_text(json.dumps(
-            {"peak_rss_mb": peak_rss_mb(), "workers_peak_rss_mb": children}))
+            {"peak_rss_mb": peak_rss_mb(), "workers_peak_rss_mb": max(peaks.values(), default=0.0)}))
     atexit.register(write)
     sys.argv = [script, *args]
     runpy.run_path(script, run_name="__main__")

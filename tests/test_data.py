@@ -334,3 +334,32 @@ def test_a_damaged_token_cache_says_how_to_rebuild_it(tmp_path, damage):
         with pytest.raises(DataError, match=r"token cache .*cannot be read .*rm -r .*run again") as err:
             build_datasets(str(corpus), 16, packed=packed, vocab_size=300, cache_dir=tmp_path / "cache")
         one_line(err)
+
+
+def test_datasets_memory_map_the_token_files_and_hold_no_copy(tmp_path):
+    """Both forms over ~20 M synthetic tokens (40 MB of token files): the datasets hold
+    memory-maps and nothing per document, this process's resident memory grows by a
+    small fraction of the files, and a DataLoader worker that is spawned gets the file
+    names, not the tokens. (python -m common.data_memory measures whole runs.)"""
+    import pickle
+
+    from common.data_memory import current_rss_mb, synthetic_corpus
+
+    corpus_file, tok_file = synthetic_corpus(tmp_path, 20_000_000)
+    files_mb = sum(p.stat().st_size for p in tmp_path.glob("cache/tokens-*/*.bin")) / 2**20
+    assert files_mb > 35
+    before = current_rss_mb()
+    for packed in (True, False):
+        d = build_datasets(str(corpus_file), seq_len=256, packed=packed, tokenizer_path=str(tok_file),
+                           cache_dir=tmp_path / "cache")
+        for ds in (d.train, d.val):
+            assert isinstance(ds.documents.tokens, np.memmap) and isinstance(ds.documents.offsets, np.memmap)
+            assert not [k for k, v in vars(ds).items() if isinstance(v, (list, dict, torch.Tensor, np.ndarray))]
+            last = ds[len(ds) - 1]
+            copy = pickle.loads(pickle.dumps(ds))
+            assert len(pickle.dumps(ds)) < 4096 and isinstance(copy.documents.tokens, np.memmap)
+            assert all(torch.equal(a, b) for a, b in zip(copy[len(ds) - 1], last))
+    assert d.num_documents > 20_000_000 / 1000
+    # an in-memory int32 stream alone would be 76 MB, a padded table of rows 83 MB
+    growth = current_rss_mb() - before
+    assert growth < files_mb / 4, (growth, files_mb)
