@@ -310,6 +310,7 @@ def special_ids(tok) -> dict[str, int]:
 
 TOKEN_FORMAT = 1  # bump when the files' layout changes: old caches are then ignored
 SPLITS = ("train", "val")
+TEXT_PER_PROCESS = 32 << 20  # bytes of text that make another tokenizing process worth it
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -319,20 +320,31 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 def tokenize_corpus(corpus: Corpus, tok, scratch: Path | None = None, num_proc: int | None = None):
     """A datasets.Dataset with one `ids` list per document (no special tokens), made with
-    a batched `map` and a progress bar. A corpus read from files is tokenized by
-    `num_proc` processes (default: every core), writing into `scratch`; the small
-    in-memory stdlib corpus in this process (tokenizers' own threads)."""
+    a batched `map` and a progress bar. A corpus read from files is tokenized by up to
+    `num_proc` processes (default: every core; one per TEXT_PER_PROCESS), writing into
+    `scratch`; the small in-memory stdlib corpus in this process (tokenizers' own threads)."""
     ds = corpus.dataset
 
     def encode(batch):
         return {"ids": [e.ids for e in tok.encode_batch(batch["text"], add_special_tokens=False)]}
 
     on_disk = bool(ds.cache_files) and scratch is not None
-    procs = min(num_proc or os.cpu_count() or 1, len(ds)) if on_disk else None
-    return ds.map(encode, batched=True, batch_size=256, remove_columns=ds.column_names,
-                  num_proc=procs if procs and procs > 1 else None,
-                  cache_file_name=str(Path(scratch) / "ids.arrow") if on_disk else None,
-                  desc=f"tokenizing {corpus.name}")
+    # a process per TEXT_PER_PROCESS of text, up to one per core: a small corpus is not
+    # worth the forks
+    procs = min(num_proc or os.cpu_count() or 1, len(ds), 1 + ds.data.nbytes // TEXT_PER_PROCESS)
+    procs = procs if on_disk and procs > 1 else None
+    parallelism = os.environ.get("TOKENIZERS_PARALLELISM")
+    if procs:  # one process a core: tokenizers' threads would only compete (and warn at fork)
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        return ds.map(encode, batched=True, batch_size=256, remove_columns=ds.column_names,
+                      num_proc=procs, desc=f"tokenizing {corpus.name}",
+                      cache_file_name=str(Path(scratch) / "ids.arrow") if on_disk else None)
+    finally:
+        if procs and parallelism is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM")
+        elif procs:
+            os.environ["TOKENIZERS_PARALLELISM"] = parallelism
 
 
 def split_mask(n: int, val_fraction: float = 0.05, split_seed: int = 0) -> np.ndarray:

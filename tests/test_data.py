@@ -363,3 +363,24 @@ def test_datasets_memory_map_the_token_files_and_hold_no_copy(tmp_path):
     # an in-memory int32 stream alone would be 76 MB, a padded table of rows 83 MB
     growth = current_rss_mb() - before
     assert growth < files_mb / 4, (growth, files_mb)
+
+
+def test_a_large_local_corpus_is_tokenized_by_processes_with_a_progress_bar(corpus, tokenizer, tmp_path,
+                                                                           monkeypatch, capfd):
+    tok, _ = tokenizer
+    calls, real_map = [], datasets.Dataset.map
+
+    def spy(self, *a, **k):
+        calls.append(k.get("num_proc"))
+        return real_map(self, *a, **k)
+
+    monkeypatch.setattr(datasets.Dataset, "map", spy)
+    (tmp_path / "one").mkdir(), (tmp_path / "two").mkdir()
+    one = data.tokenize_corpus(corpus, tok, tmp_path / "one", num_proc=2)  # a few bytes: one process
+    monkeypatch.setattr(data, "TEXT_PER_PROCESS", 1)                        # as if it were large
+    two = data.tokenize_corpus(corpus, tok, tmp_path / "two", num_proc=2)
+    assert calls == [None, 2]
+    assert two["ids"] == one["ids"]                                 # the same ids, in order
+    assert "tokenizing" in capfd.readouterr().err                   # tqdm's bar, on stderr
+    assert sorted(p.name for p in (tmp_path / "two").iterdir()) == [
+        "ids_00000_of_00002.arrow", "ids_00001_of_00002.arrow"]     # each process's shard
