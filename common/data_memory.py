@@ -97,8 +97,12 @@ def synthetic_corpus(root: Path, tokens: int, vocab_size: int = 1024) -> tuple[P
 
 def _workers_peak(peaks: dict, stop) -> None:
     """Poll this process's children that run the same program (its DataLoader workers,
-    forked) and keep each one's peak resident set, in MB, in `peaks`."""
+    forked) and keep each one's peak resident set, in MB, in `peaks`. A child counts
+    from its second sighting: one that runs another program (a helper started with
+    fork and exec) shows this program's name, and a copy of this process's memory, only
+    for the instant before its exec."""
     me = Path("/proc/self/cmdline").read_bytes()
+    seen = {}
     while not stop.wait(0.05):
         for tid in Path("/proc/self/task").iterdir():
             try:
@@ -109,8 +113,9 @@ def _workers_peak(peaks: dict, stop) -> None:
                 try:
                     if Path(f"/proc/{pid}/cmdline").read_bytes() != me:
                         continue  # a helper program, not a worker
+                    seen[pid] = seen.get(pid, 0) + 1
                     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                        if line.startswith("VmHWM:"):
+                        if line.startswith("VmHWM:") and seen[pid] > 1:
                             peaks[pid] = max(peaks.get(pid, 0), int(line.split()[1]) / 1024)
                 except OSError:
                     pass  # it ended meanwhile
