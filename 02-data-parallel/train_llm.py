@@ -149,7 +149,7 @@ def main():
     # --max-steps wins, with as many epochs as it takes; 0 = --num-epochs whole epochs
     total_steps = args.max_steps or args.num_epochs * steps_per_epoch
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup_steps, total_steps))
-    # --compile: model and loss as one graph (under DDP, compiled after wrapping)
+    # --compile: model and loss as one graph (under DDP, chapter 03 compiles the module)
     args.compile = args.compile and len(device_ids) < 2  # not under DataParallel; the summary says so
     loss_fn = torch.compile(compute_loss) if args.compile else compute_loss
     global_batch = args.batch_size * args.grad_accum

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.cli import base_parser, positive_int, setup_logging  # noqa: E402
 from common.data import IGNORE_INDEX, build_datasets, check_enough_samples, dataset_info, local_rank0_first  # noqa: E402
-from common.distributed import DDP_NO_BUFFER_SYNC, gc_and_destroy_process_group  # noqa: E402
+from common.distributed import DDP_NO_BUFFER_SYNC, backend_for, gc_and_destroy_process_group  # noqa: E402
 from common.environment import environment_info, exit_with_launcher, set_tf32, share_cpu_threads  # noqa: E402
 from common.errors import run_main  # noqa: E402
 from common.masks import build_attention_mask  # noqa: E402
@@ -57,14 +57,14 @@ def setup(args):
     exit_with_launcher()  # under torchrun: stop (SIGTERM) if torchrun dies, never train as an orphan
     use_cuda = torch.cuda.is_available() and args.device != "cpu"
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    device = torch.device("cuda", local_rank % torch.cuda.device_count()) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)  # else every process would use GPU 0
     if "RANK" in os.environ:
-        check_network("nccl" if use_cuda else "gloo")  # several machines: bad addresses, one line
-        dist.init_process_group(
-            "nccl" if use_cuda else "gloo",  # nccl for GPUs, gloo for CPUs
-            timeout=timedelta(seconds=args.timeout), device_id=device if use_cuda else None)
+        backend = backend_for(device)  # nccl for GPUs, gloo for CPUs (LLM_GUIDE_BACKEND=gloo: GPUs too)
+        check_network(backend)  # several machines: bad addresses, one line
+        dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout),
+                                device_id=device if backend == "nccl" else None)
     if device.type == "cuda":
         set_tf32(True)  # fp32 matmuls on tensor cores (TF32: 10-bit mantissa, much faster)
     dtype = args.dtype if args.dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
@@ -134,6 +134,11 @@ def main():
     log.info("model: %s preset, %.2f M parameters (%s)", args.model_preset, n_params / 1e6,
              describe(config))
     raw_model = model  # the bare module: its weights are what we save
+    # --compile: the module, in place, before DDP wraps it: dynamo's DDP optimizer then cuts
+    # its graph at the buckets' borders, so all-reduces still start during backward. (A
+    # compiled loss function around DDP, chapter 01's way, breaks at DDP's forward.)
+    if args.compile:
+        model.compile()
     if distributed:
         # DDP broadcasts rank 0's weights to every rank, then registers hooks that
         # all-reduce gradients bucket by bucket while backward is still running.
@@ -144,8 +149,6 @@ def main():
     # --max-steps wins, with as many epochs as it takes; 0 = --num-epochs whole epochs
     total_steps = args.max_steps or args.num_epochs * steps_per_epoch
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup_steps, total_steps))
-    # --compile: model and loss as one graph (under DDP, compiled after wrapping)
-    loss_fn = torch.compile(compute_loss) if args.compile else compute_loss
     global_batch = args.batch_size * world_size * args.grad_accum
     tokens_per_step = global_batch * args.seq_length  # processed, padding included
     log.info("training %d steps (%.2f epochs of %d); batch %d = %d x world %d x grad-accum %d, "
@@ -198,7 +201,7 @@ def main():
                     model.require_backward_grad_sync = micro == args.grad_accum - 1
                 with tracker.phase("forward"):
                     with autocast:
-                        loss = loss_fn(model, x, y, attn_mask) * world_size / n_tokens
+                        loss = compute_loss(model, x, y, attn_mask) * world_size / n_tokens
                 with tracker.phase("backward"):
                     loss.backward()
                 loss_sum += loss.detach()  # stays on the device: no host sync per step

@@ -28,7 +28,8 @@ from torch.utils.data import Sampler
 
 from common.checkpoint_folder import commit_on_rank0, prune_checkpoints, settings_mismatch, unchanged_on_error
 from common.errors import fail
-from common.durable import fsync_dir, fsync_write, one_line, verify_manifest, write_manifest
+from common.distributed import patient_group
+from common.durable import fsync_dir, fsync_write, hashed_write, one_line, verify_manifest, write_manifest
 
 FORMAT_VERSION = 3  # of state.pt; part of the settings, so another format is refused by name
 
@@ -181,8 +182,9 @@ def save_checkpoint(ckpt_dir: Path, train_state: TrainState, settings: dict, *, 
     def commit():  # on rank 0, while the others wait
         shutil.rmtree(tmp, ignore_errors=True)  # debris of an earlier kill
         tmp.mkdir(parents=True)
-        fsync_write(tmp / "state.pt", lambda f: torch.save(state, f))  # on disk, not in a cache
-        write_manifest(tmp, {"settings": settings})  # a checksum of every file, written last
+        # on disk, not in a cache; its checksum taken from the bytes on their way out
+        digest = hashed_write(tmp / "state.pt", lambda f: torch.save(state, f))
+        write_manifest(tmp, {"settings": settings}, {"state.pt": digest})  # written last
         shutil.rmtree(final, ignore_errors=True)  # the same step, saved before a crash
         os.rename(tmp, final)  # atomic: the folder is there whole, or not at all
         point_latest_to(final)  # the commit point
@@ -235,6 +237,10 @@ def load_latest(candidates: list[Path], train_state: TrainState, settings: dict,
     candidate that fails leaves model and optimizer as they were; the next one is tried.
     `roll_back` (--resume-from): the chosen checkpoint becomes its folder's `latest`."""
     path, error, mismatch = None, None, None
+    # Rank 0 reads the whole checkpoint twice (checksums, then the load) while the others
+    # wait: disk time that grows with the model, so they wait on a group that --timeout
+    # (meant for collectives) does not cut short. A collective: every rank creates it.
+    waiting = patient_group() if dist.is_initialized() else None
     if rank == 0:
         for candidate in candidates:
             try:
@@ -253,7 +259,7 @@ def load_latest(candidates: list[Path], train_state: TrainState, settings: dict,
     # every rank learns what rank 0 found, and stops with it or receives the state
     found = [str(path) if path else None, mismatch, error]
     if dist.is_initialized():
-        dist.broadcast_object_list(found, src=0)
+        dist.broadcast_object_list(found, src=0, group=waiting)
     path, mismatch, error = Path(found[0]) if found[0] else None, found[1], found[2]
     if mismatch:
         fail(mismatch)

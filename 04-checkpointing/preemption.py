@@ -5,9 +5,11 @@ SIGTERM (SLURM's --signal, Kubernetes); torchrun passes both on to its workers. 
 process that dies at once loses everything since the last checkpoint, and a rank that
 stops alone leaves the others waiting in a collective. So:
 
-- `StopRequest`: the handlers only take note. After every step the ranks agree (an
-  all-reduce of "did anyone get a signal?"), so all of them stop after the same step,
-  save, and leave.
+- `StopRequest`: the handlers only take note. After every step the ranks vote (an
+  all-reduce of "did anyone get a signal?") without waiting for it, and read that vote
+  after the next step, when it has long arrived: no step waits on the other hosts for
+  it, and all ranks still stop after the same step (one step later than a blocking
+  vote would), save, and leave.
 - `data_workers_apart`: the DataLoader's worker processes leave the trainer's process
   group. Ctrl-C and torchrun's stop signal a whole group; a worker left in it dies of
   SIGTERM and takes its trainer down with it ("DataLoader worker is killed by signal"),
@@ -43,21 +45,38 @@ class StopRequest:
     def __init__(self):
         self.signal = None
         self.previous = {sig: signal.signal(sig, self._note) for sig in STOP_SIGNALS}
-        # The vote travels over a CPU (gloo) group: on GPUs it costs no device sync.
-        self.group = (dist.new_group(backend="gloo")
-                      if dist.is_initialized() and dist.get_backend() != "gloo" else None)
+        # The vote travels over a CPU (gloo) group of its own: on GPUs it costs no device
+        # sync, and the vote in flight never queues behind (or ahead of) other collectives.
+        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self.vote = None  # the all-reduce in flight since the previous step, and its flag
 
     def _note(self, signum, frame):
         self.signal = self.signal or signal.Signals(signum).name
 
-    def agreed(self) -> str | None:
-        """The signal's name once any rank got one, on every rank after the same step (a
-        collective: every rank asks after every step), else None."""
+    def agreed(self, last_step: bool = False) -> str | None:
+        """The signal's name once any rank got one, on every rank after the same step, else
+        None. A collective that every rank joins after every step: it reads the vote
+        started after the previous step (all ranks get the same answer), then starts this
+        step's, read after the next step. So a signal stops the run one step after the
+        step it arrived in; the last step waits for its own vote."""
         if not dist.is_initialized():
             return self.signal
-        flag = torch.tensor([self.signal is not None], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return (self.signal or "a signal to another rank") if flag.item() else None
+        anyone = self._read_vote()
+        if not anyone:  # the same decision on every rank: all start the next vote, or none
+            flag = torch.tensor([self.signal is not None], dtype=torch.int32)
+            self.vote = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True), flag)
+            if last_step:
+                anyone = self._read_vote()
+        return (self.signal or "a signal to another rank") if anyone else None
+
+    def _read_vote(self) -> bool:
+        """Wait for the vote in flight (started a step ago: done by now) and take it."""
+        if self.vote is None:
+            return False
+        work, flag = self.vote
+        work.wait()
+        self.vote = None
+        return bool(flag.item())
 
     def uninstall(self):
         """After the loop: the signals act as before (the last checkpoint is committed;

@@ -35,7 +35,7 @@ from preemption import StopRequest, data_workers_apart  # noqa: E402
 from common.cli import base_parser, checkpoint_folder, non_negative_int, positive_int, setup_logging  # noqa: E402
 from common.checkpoint_folder import run_settings  # noqa: E402
 from common.data import IGNORE_INDEX, build_datasets, check_enough_samples, dataset_info, local_rank0_first  # noqa: E402
-from common.distributed import DDP_NO_BUFFER_SYNC, gc_and_destroy_process_group, init_process_group_for_restarts  # noqa: E402
+from common.distributed import DDP_NO_BUFFER_SYNC, backend_for, gc_and_destroy_process_group, init_process_group_for_restarts  # noqa: E402
 from common.durable import atomic_write  # noqa: E402
 from common.environment import environment_info, exit_with_launcher, set_tf32, share_cpu_threads  # noqa: E402
 from common.errors import run_main  # noqa: E402
@@ -72,13 +72,13 @@ def setup(args):
     exit_with_launcher()  # under torchrun: stop (SIGTERM) if torchrun dies, never train as an orphan
     use_cuda = torch.cuda.is_available() and args.device != "cpu"
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    device = torch.device("cuda", local_rank % torch.cuda.device_count()) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)  # else every process would use GPU 0
     if "RANK" in os.environ:
+        backend = backend_for(device)  # nccl for GPUs, gloo for CPUs (LLM_GUIDE_BACKEND=gloo: GPUs too)
         init_process_group_for_restarts(  # dist.init_process_group, on a store per restart
-            "nccl" if use_cuda else "gloo",  # nccl for GPUs, gloo for CPUs
-            timeout=timedelta(seconds=args.timeout), device_id=device if use_cuda else None)
+            backend, timeout=timedelta(seconds=args.timeout), device_id=device if backend == "nccl" else None)
     if device.type == "cuda":
         set_tf32(True)  # fp32 matmuls on tensor cores (TF32: 10-bit mantissa, much faster)
     dtype = args.dtype if args.dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
@@ -180,6 +180,11 @@ def main():
     log.info("model: %s preset, %.2f M parameters (%s)", args.model_preset, n_params / 1e6,
              describe(config))
     raw_model = model  # the bare module: its weights are what we save
+    # --compile: the module, in place, before DDP wraps it: dynamo's DDP optimizer then cuts
+    # its graph at the buckets' borders, so all-reduces still start during backward. (A
+    # compiled loss function around DDP, chapter 01's way, breaks at DDP's forward.)
+    if args.compile:
+        model.compile()
     if distributed:
         # DDP broadcasts rank 0's weights to every rank, then registers hooks that
         # all-reduce gradients bucket by bucket while backward is still running.
@@ -190,8 +195,6 @@ def main():
     # --max-steps wins, with as many epochs as it takes; 0 = --num-epochs whole epochs
     total_steps = args.max_steps or args.num_epochs * steps_per_epoch
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup_steps, total_steps))
-    # --compile: model and loss as one graph (under DDP, compiled after wrapping)
-    loss_fn = torch.compile(compute_loss) if args.compile else compute_loss
     global_batch = args.batch_size * world_size * args.grad_accum
     tokens_per_step = global_batch * args.seq_length  # processed, padding included
     log.info("training %d steps (%.2f epochs of %d); batch %d = %d x world %d x grad-accum %d, "
@@ -262,7 +265,7 @@ def main():
                     model.require_backward_grad_sync = micro == args.grad_accum - 1
                 with tracker.phase("forward"):
                     with autocast:
-                        loss = loss_fn(model, x, y, attn_mask) * world_size / n_tokens
+                        loss = compute_loss(model, x, y, attn_mask) * world_size / n_tokens
                 with tracker.phase("backward"):
                     loss.backward()
                 loss_sum += loss.detach()  # stays on the device: no host sync per step
@@ -283,7 +286,7 @@ def main():
                 tracker.log(step, epoch=epoch, loss=loss_sum.item(), lr=scheduler.get_last_lr()[0],
                             grad_norm=grad_norm.item())
 
-            stopped = stop.agreed()  # every rank asks after every step: all stop together
+            stopped = stop.agreed(last_step=step == total_steps)  # all ranks vote: all stop together
             if step == total_steps or stopped or (args.ckpt_freq and step % args.ckpt_freq == 0):
                 # where the data stands: this epoch (its shuffle) and the steps done in it
                 train_state.step, train_state.epoch, train_state.step_in_epoch = step, epoch, in_epoch + 1

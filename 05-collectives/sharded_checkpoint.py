@@ -13,7 +13,8 @@ copies the overlapping rows in.
 Steps: train --steps steps on the torchrun world (FSDP2 on each decoder layer, then the
 root; AdamW), save model and optimizer with DCP into <save-dir>/<experiment-name>/step-N,
 committed as chapter 04 commits (a temporary folder, a manifest of checksums, a rename,
-then the `latest` pointer), and print how many bytes each rank wrote. --load a checkpoint
+then the `latest` pointer; each rank checksums its own file), and print how many bytes
+each rank wrote. --load a checkpoint
 (a run folder, which names its newest in `latest`, or one step-N folder) first: on any
 number of ranks, check that every parameter and moment equals what was saved, then train
 on and save again. The proof compares with a full copy of the state that the saving run
@@ -55,8 +56,8 @@ from common.checkpoint_folder import commit_on_rank0  # noqa: E402
 from common.cli import positive_int, script_parser  # noqa: E402
 from common.data import IGNORE_INDEX, fixed_batches  # noqa: E402
 from common.distributed import first_error, gc_and_destroy_process_group, start_demo  # noqa: E402
-from common.durable import (atomic_write, fsync_dir, fsync_write, one_line, read_manifest,  # noqa: E402
-                            verify_manifest, write_manifest)
+from common.durable import (atomic_write, check_files, fsync_dir, fsync_write, one_line,  # noqa: E402
+                            read_manifest, sha256_of, write_manifest)
 from common.errors import UsageError, fail  # noqa: E402
 from common.model import LlamaForCausalLM, get_config  # noqa: E402
 from common.proof import exact_kernels  # noqa: E402
@@ -131,13 +132,13 @@ def run(args, demo):
     start = 0
     if args.load_step_dir:
         # Damage first (a deleted or truncated file, a flipped byte), before any work:
-        # rank 0 checks every file against the manifest, every rank hears the verdict.
-        error = None
-        if demo.rank == 0:
-            try:
-                verify_manifest(args.load_step_dir)
-            except ValueError as e:
-                error = f"checkpoint {args.load_step_dir} is damaged: {e}; nothing was loaded"
+        # each rank checks its share of the files against the manifest (rank r every
+        # W-th, at once: no rank waits for one reading them all), every rank hears the verdict.
+        error, names = None, sorted(args.load_meta["sha256"])
+        try:
+            check_files(args.load_step_dir, args.load_meta, names[demo.rank::demo.world])
+        except ValueError as e:
+            error = f"checkpoint {args.load_step_dir} is damaged: {e}; nothing was loaded"
         error = first_error(error)
         if error:
             fail(error)
@@ -232,13 +233,18 @@ def save_sharded(model, optimizer, step_dir: Path, run_settings: dict, step: int
     # rank 0 (the coordinator) then writes .metadata: tensor -> pieces -> file, offset, length.
     # A tensor every rank holds whole (AdamW's step count) is written once, by one rank.
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
+    # Each rank checksums the file it wrote, all at once (1/W of the bytes each); rank 0
+    # gets them all, and hashes only the small .metadata itself.
+    digests = [None] * demo.world
+    dist.all_gather_object(digests, {p.name: sha256_of(p) for p in tmp.glob(f"__{demo.rank}_*.distcp")})
 
     def commit():  # rank 0, once every rank has written (dcp.save ends with a collective)
         missing = [r for r in range(demo.world) if not any(tmp.glob(f"__{r}_*.distcp"))]
         if missing:
             raise OSError(f"rank {missing[0]}'s file is not in {tmp}: do all ranks see the same "
                           f"folder (a shared file system)?")
-        write_manifest(tmp, {"settings": run_settings, "step": step, "world_size": demo.world})
+        write_manifest(tmp, {"settings": run_settings, "step": step, "world_size": demo.world},
+                       {name: digest for mine in digests for name, digest in mine.items()})
         shutil.rmtree(step_dir, ignore_errors=True)  # the same step, saved before a crash
         os.rename(tmp, step_dir)  # atomic: the folder is there whole, or not at all
         fsync_write(run_dir / "latest.tmp", lambda f: f.write(step_dir.name.encode()))

@@ -303,7 +303,7 @@ def run(args, demo):
     # the chapters' training dtype: bf16 autocast on GPUs (fp32 weights), fp32 on CPUs
     cuda = demo.device.type == "cuda"
     timing_dtype = "bf16 autocast" if cuda else "fp32"
-    summary = sharding.start_summary(args, demo, n_params, timing_dtype)
+    summary = sharding.start_summary(args, demo, config, n_params, timing_dtype)
 
     # ---- 1. prove, in fp64: every mode's weights against DDP's ----------------------
     diffs, failures = {}, []

@@ -11,7 +11,8 @@ layers (no module imports one that imports it back):
 - `tracker`: a training loop's bookkeeping, built on `timing` (phase timers, tokens/s),
   `jsonfiles` (metrics.jsonl, atomic JSON), `summary` (summary.json, the throughput
   table), `tables` (Markdown) and `peak_flops` (the FLOP/s MFU is measured against).
-- `distributed`: process-group helpers (the restart-safe join, teardown);
+- `distributed`: process-group helpers (the backend for a device, the restart-safe join,
+  teardown);
   `net_errors`: network setups that cannot work, said in one line.
 - `runfolder`: one job per run folder (a lock), archives instead of deletion.
 - `checkpoint_folder`, `durable`: the housekeeping around chapter 04's checkpoints
@@ -20,5 +21,6 @@ layers (no module imports one that imports it back):
 - `proof`, `sharding`: chapter 05's comparisons and sharding measurements.
 
 Command-line tools, which no library module imports: `report`, `tour`, `bench_model`,
-`peak` (`python -m common.X`), and `two_hosts` (two simulated hosts for tests).
+`peak`, `gpu_check` (everything measured on a GPU; `python -m common.X`), and `two_hosts`
+(two simulated hosts for tests).
 """

@@ -3,6 +3,7 @@
     python -m common.bench_model                       # tiny and small, cuda if present
     python -m common.bench_model --presets small --no-compile
     python -m common.bench_model --presets base --batch-size 16 --seq-length 1024
+    python -m common.bench_model --presets small base medium --seq-length 1024 --json bench.json
 
 For each preset, two kinds of step on random tokens: forward + cross-entropy +
 backward (the model alone), and a full training step as chapter 01 takes it (that,
@@ -12,7 +13,10 @@ The first compiled step compiles: its time is reported apart, as the compile tim
 Then every variant runs `--warmup` untimed steps and `--iters` timed ones, eager and
 compiled taking turns; the table reports the median step as tokens/s, model FLOP/s
 and MFU against the device's peak (`python -m common.peak`: the datasheet's where
-known, else measured). On CUDA bf16 autocast, as the chapters by default; on CPU fp32.
+known, else measured), and on CUDA the peak memory of a step. On CUDA bf16 autocast, as
+the chapters by default, each step timed by CUDA events on an idle device (the call's
+device time, host launch gaps included); on CPU fp32, by the host clock. `--json` also
+writes every row, with the device, torch version and peak, to a file.
 """
 
 from __future__ import annotations
@@ -20,15 +24,18 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from .data import DEFAULT_VOCAB_SIZE
 from .environment import device_name
+from .jsonfiles import write_json
 from .model import PRESETS, LlamaForCausalLM, flops_per_token, get_config, num_parameters
 from .peak_flops import Peak, device_peak, implausible_mfu_note, sync
 from .tables import format_flops, markdown_table
+from .timing import CudaEventClock, WallClock
 
 
 def loss_of(model, x, y, bf16: bool = False):
@@ -62,22 +69,33 @@ def train_step(loss_fn, model, optimizer, x, y, bf16: bool = False):
     return loss
 
 
-def step_times(steps: dict, iters: int, warmup: int, device: torch.device) -> dict:
+def step_times(steps: dict, iters: int, warmup: int, device: torch.device) -> tuple[dict, dict]:
     """Seconds of each of `iters` timed calls of every step function, after `warmup`
-    untimed ones. The functions take turns, so that a machine shared with other work
-    slows them alike and their ratio stays fair."""
+    untimed ones, and each function's peak memory in MB (CUDA: the allocator's peak over
+    its calls; None on CPU). The functions take turns, so that a machine shared with
+    other work slows them alike and their ratio stays fair. Each call starts on an idle
+    device and is timed by the device's clock: CUDA events recorded just before and after
+    it (read after a synchronize), the host's clock on a CPU."""
+    cuda = device.type == "cuda"
+    clock = CudaEventClock(device) if cuda else WallClock()
     for _ in range(warmup):
         for step in steps.values():
             step()
     times = {name: [] for name in steps}
+    peak_mb = dict.fromkeys(steps, 0.0 if cuda else None)
     for _ in range(iters):
         for name, step in steps.items():
-            sync(device)
-            t0 = time.perf_counter()
+            clock.sync()  # the previous call's kernels are done: this call starts alone
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+            start = clock.mark()
             step()
-            sync(device)
-            times[name].append(time.perf_counter() - t0)
-    return times
+            end = clock.mark()
+            clock.sync()
+            times[name].append(clock.seconds(start, end))
+            if cuda:
+                peak_mb[name] = max(peak_mb[name], torch.cuda.max_memory_allocated(device) / 2**20)
+    return times, peak_mb
 
 
 def first_call_seconds(step, device: torch.device) -> float:
@@ -119,15 +137,15 @@ def bench_preset(preset: str, batch_size: int, seq_len: int, iters: int, warmup:
         modes["compiled"] = compiled
     rows = []
     for kind in ("forward+backward", "training step"):
-        times = step_times({mode: steps_of(loss_fn)[kind] for mode, loss_fn in modes.items()},
-                           iters, warmup, device)
+        times, peak_mb = step_times({mode: steps_of(loss_fn)[kind] for mode, loss_fn in modes.items()},
+                                    iters, warmup, device)
         for mode, seconds in times.items():
             median = statistics.median(seconds)
             tokens_per_s = batch_size * seq_len / median
             rows.append({"preset": preset, "params": n_params, "batch": batch_size,
                          "seq": seq_len, "mode": mode, "step": kind, "step_s": median,
                          "tokens_per_s": tokens_per_s, "model_flops_per_s": tokens_per_s * fpt,
-                         "mfu": tokens_per_s * fpt / peak.flops})
+                         "mfu": tokens_per_s * fpt / peak.flops, "peak_memory_mb": peak_mb[mode]})
     for row in rows:
         eager = next(r for r in rows if r["step"] == row["step"] and r["mode"] == "eager")
         row["speedup"] = row["tokens_per_s"] / eager["tokens_per_s"]
@@ -136,12 +154,13 @@ def bench_preset(preset: str, batch_size: int, seq_len: int, iters: int, warmup:
 
 def table(rows: list[dict]) -> str:
     header = ["preset", "params", "batch×seq", "mode", "step", "median step", "tokens/s",
-              "model FLOP/s", "MFU", "vs eager"]
+              "model FLOP/s", "MFU", "vs eager", "peak memory"]
     body = [[r["preset"], f"{r['params'] / 1e6:.2f} M", f"{r['batch']}×{r['seq']}", r["mode"],
              r["step"], f"{r['step_s'] * 1e3:,.1f} ms", f"{r['tokens_per_s']:,.0f}",
              format_flops(r["model_flops_per_s"]), f"{100 * r['mfu']:.1f}%",
-             f"{r['speedup']:.2f}x"] for r in rows]
-    return markdown_table(header, body, right={1, 2, 5, 6, 7, 8, 9})
+             f"{r['speedup']:.2f}x",
+             "-" if r["peak_memory_mb"] is None else f"{r['peak_memory_mb']:,.0f} MB"] for r in rows]
+    return markdown_table(header, body, right={1, 2, 5, 6, 7, 8, 9, 10})
 
 
 def main(argv=None):
@@ -159,6 +178,8 @@ def main(argv=None):
                    help="eager only: skip torch.compile (and its compile time)")
     p.add_argument("--device", default="auto",
                    help="auto (cuda if available, else cpu), cpu, cuda:N")
+    p.add_argument("--json", type=Path, default=None,
+                   help="also write the rows, device, torch version and peak to this file")
     args = p.parse_args(argv)
     for name in ("batch_size", "seq_length", "iters", "vocab_size"):
         if getattr(args, name) < 1:
@@ -175,6 +196,8 @@ def main(argv=None):
         p.error(f"--device {args.device!r} is not supported (auto, cpu, cuda:N)")
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error(f"--device {args.device}: CUDA is not available here")
+    if args.json is not None and not args.json.parent.is_dir():
+        p.error(f"--json {str(args.json)!r}: its folder does not exist")
 
     dtype = "bf16" if device.type == "cuda" else "fp32"
     peak = device_peak(device, dtype)
@@ -182,18 +205,26 @@ def main(argv=None):
           f"{'bf16 autocast' if dtype == 'bf16' else 'fp32'}; torch {torch.__version__}"
           f" ({torch.get_num_threads()} threads); median of {args.iters} steps after"
           f" {args.warmup} warm-up; MFU against {peak.label()}", flush=True)
-    rows = []
+    rows, compile_s = [], {}
     for preset in args.presets:
         result = bench_preset(preset, args.batch_size, args.seq_length, args.iters,
                               args.warmup, device, args.vocab_size, peak, not args.no_compile)
         rows += result["rows"]
         if result["compile_s"] is not None:
+            compile_s[preset] = result["compile_s"]
             print(f"{preset}: torch.compile took {result['compile_s']:.1f} s "
                   f"(its first forward+backward; not in the table)", flush=True)
     print(table(rows))
     note = implausible_mfu_note(max(r["mfu"] for r in rows), peak)
     if note:
         print(note)
+    if args.json is not None:
+        write_json(args.json, {
+            "device": device.type, "device_name": device_name(device), "dtype": dtype,
+            "torch_version": torch.__version__, "cuda_version": torch.version.cuda,
+            "threads": torch.get_num_threads(), "iters": args.iters, "warmup": args.warmup,
+            "peak_flops": peak.flops, "peak_source": peak.source, "peak_precision": peak.precision,
+            "compile_s": compile_s, "rows": rows, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")})
 
 
 if __name__ == "__main__":

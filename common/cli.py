@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from .data import DataError, check_dataset_name, load_tokenizer
+from .distributed import BACKEND_ENV, gpu_sharing_error
 from .errors import UsageError, fail
 from .model import PRESETS
 
@@ -215,6 +216,17 @@ def check_launch_many(args) -> None:
     if args.device not in ("auto", "cpu", "cuda"):
         raise UsageError(f"--device {args.device}: each process takes the GPU of its LOCAL_RANK; "
                          f"use auto, cuda or cpu (CUDA_VISIBLE_DEVICES chooses which GPUs)")
+    check_backend_choice(cuda=torch.cuda.is_available() and args.device != "cpu")
+
+
+def check_backend_choice(cuda: bool) -> None:
+    """LLM_GUIDE_BACKEND (nccl, gloo or unset) against this machine's processes (torchrun's
+    LOCAL_WORLD_SIZE) and GPUs. Raises UsageError."""
+    error = gpu_sharing_error(os.environ.get(BACKEND_ENV, ""), cuda,
+                              int(os.environ.get("LOCAL_WORLD_SIZE") or 1),
+                              torch.cuda.device_count() if cuda else 0)
+    if error:
+        raise UsageError(error)
 
 
 def check_run_folder(args, name_prefix: str, *, must_be_new: bool = True) -> None:
@@ -267,11 +279,11 @@ def check_device(device: str) -> None:
 
 def script_parser(name: str, description: str, *, min_world: int = 2,
                   run_folder: bool = True, training: bool = False) -> Parser:
-    """The flags and checks the chapter 05 scripts share: torchrun with at least
-    `min_world` processes, --timeout, (if `run_folder`) --save-dir and --experiment-name
-    (default `<name>-<timestamp>`), and (if `training`) the model and data flags of the
-    scripts that train: --model-preset, --seq-length, --batch-size, --lr, --seed,
-    --dataset-name."""
+    """The flags and checks the demo scripts (chapter 05's, chapter 03's debug_hang.py)
+    share: torchrun with at least `min_world` processes, --timeout, (if `run_folder`)
+    --save-dir and --experiment-name (default `<name>-<timestamp>`), and (if `training`)
+    the model and data flags of the scripts that train: --model-preset, --seq-length,
+    --batch-size, --lr, --seed, --dataset-name."""
     p = Parser(description=description)
     if training:
         p.add_argument("--model-preset", default="small", type=one_of(*PRESETS), help="model size")
@@ -300,13 +312,15 @@ def script_parser(name: str, description: str, *, min_world: int = 2,
         p.checks.append(lambda args: check_run_folder(args, name))
 
     def check_torchrun(args):
-        script = f"05-collectives/{sys.argv[0].rsplit('/', 1)[-1]}"
+        script = Path(sys.argv[0]).resolve()
+        script = script.relative_to(REPO_ROOT) if script.is_relative_to(REPO_ROOT) else sys.argv[0]
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             raise UsageError(f"launch with torchrun, e.g. torchrun --standalone "
                              f"--nproc-per-node={min_world} {script}")
         if int(os.environ["WORLD_SIZE"]) < min_world:
             raise UsageError(f"this needs at least {min_world} processes "
                              f"(--nproc-per-node={min_world} or more)")
+        check_backend_choice(cuda=torch.cuda.is_available())
     p.checks.append(check_torchrun)
     return p
 

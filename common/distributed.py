@@ -5,6 +5,8 @@
 - `first_error`: every rank learns the first rank's error, so all stop together.
 - `init_process_group_for_restarts`: chapter 04's join, safe across torchrun restarts.
 - `gc_and_destroy_process_group`: the teardown that avoids gloo's exit deadlock.
+- `backend_for`, `gpu_sharing_error`: nccl for GPUs, gloo for CPUs, or gloo on GPUs when
+  LLM_GUIDE_BACKEND says so (several ranks sharing one GPU, which nccl refuses).
 - `start_demo`: the process group of the chapter 05 scripts (one process per device).
 """
 
@@ -29,6 +31,39 @@ from .net_errors import check_network
 DDP_NO_BUFFER_SYNC = ({"forward_sync_buffers": False}
                       if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
                       else {"broadcast_buffers": False})
+
+
+BACKEND_ENV = "LLM_GUIDE_BACKEND"
+BACKENDS = ("nccl", "gloo")
+
+
+def backend_for(device: torch.device | str) -> str:
+    """The process group's backend for ranks on `device`: nccl for GPUs, gloo for CPUs.
+    LLM_GUIDE_BACKEND=gloo picks gloo on GPUs too: it moves CUDA tensors through host
+    memory (slowly), and unlike nccl it lets several ranks share one GPU. The choice is
+    checked with the flags (`gpu_sharing_error`), before any work."""
+    return os.environ.get(BACKEND_ENV) or ("nccl" if torch.device(device).type == "cuda" else "gloo")
+
+
+def gpu_sharing_error(choice: str, cuda: bool, processes: int, gpus: int) -> str | None:
+    """What is wrong with LLM_GUIDE_BACKEND=`choice` ("" when unset) for `processes`
+    ranks on a machine with `gpus` GPUs (`cuda`: the ranks train on them), or None.
+    Rank r takes GPU r mod `gpus`: more ranks than GPUs share them, which gloo allows
+    and nccl refuses."""
+    if choice and choice not in BACKENDS:
+        return f"{BACKEND_ENV}={choice!r}: choose nccl or gloo (or leave it unset)"
+    if choice == "nccl" and not cuda:
+        return f"{BACKEND_ENV}=nccl needs GPUs, and this run has none (leave it unset on CPUs)"
+    if cuda and choice != "gloo" and processes > gpus:
+        return (f"{processes} processes on this machine but {gpus} GPU(s): nccl needs a GPU per "
+                f"process; start fewer, or set {BACKEND_ENV}=gloo to let them share")
+    return None
+
+
+def local_gpu(local_rank: int) -> torch.device:
+    """The GPU of the process with this LOCAL_RANK: GPU `local_rank`, or with more processes
+    than GPUs (gloo only, `gpu_sharing_error`) GPU local_rank mod the number of GPUs."""
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
 
 
 def first_error(error: str | None, group=None) -> str | None:
@@ -86,16 +121,16 @@ class Demo:
 def start_demo(timeout_s: float) -> Demo:
     """The chapter 05 scripts' process group: torchrun set RANK, LOCAL_RANK, WORLD_SIZE,
     MASTER_ADDR and MASTER_PORT; nccl moves GPU memory between GPUs, gloo moves CPU
-    memory over sockets. Every tensor a collective sends must live on `Demo.device`:
-    nccl refuses CPU tensors, gloo GPU ones. (The proofs ask for exact kernels
+    memory over sockets (and, with LLM_GUIDE_BACKEND=gloo, GPU memory through the host).
+    Every tensor a collective sends must live on `Demo.device`: nccl refuses CPU tensors. (The proofs ask for exact kernels
     themselves, for their duration only: `common.proof.exact_kernels`.)"""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     kwargs = {}
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)  # else every process would use GPU 0
-        backend, device = "nccl", torch.device("cuda", local_rank)
+    device = local_gpu(local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    backend = backend_for(device)  # gloo on GPUs too when LLM_GUIDE_BACKEND=gloo
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # else every process would use GPU 0
+    if backend == "nccl":
         kwargs["device_id"] = device
-    else:
-        backend, device = "gloo", torch.device("cpu")
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
     return Demo(dist.get_rank(), dist.get_world_size(), device, backend)

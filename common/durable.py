@@ -2,8 +2,11 @@
 
 - `fsync_write`, `fsync_dir`: a rename is only as durable as what it renames.
 - `atomic_write`: a file replaced whole or not at all (the final weights, the summary).
+- `hashed_write`: `fsync_write` that also returns the SHA-256 of the bytes as they are
+  written (`HashingFile`), so a checksum never costs reading the file back.
 - `write_manifest`, `verify_manifest`: `manifest.json` holds a checkpoint's metadata and a
-  SHA-256 of every file in it; a flipped byte anywhere fails the check.
+  SHA-256 of every file in it; a flipped byte anywhere fails the check. `sha256_of`,
+  `check_files`: the checksums of some files, for ranks that each hash their own share.
 - `read_manifest`: the metadata alone, to check a checkpoint's settings before loading it.
 - `disk_full_message`: the one line for ENOSPC; `one_line`: any exception, briefly.
 """
@@ -28,6 +31,35 @@ def fsync_write(path, write):
         os.fsync(f.fileno())
 
 
+class HashingFile:
+    """A file opened for writing that hashes every byte on its way to the file: what a
+    writer (torch.save) sends through it is digested once, in memory, never read back.
+    torch.save writes a file object strictly in order, which a running hash needs."""
+
+    def __init__(self, f):
+        self.f, self.sha256 = f, hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.sha256.update(data)
+        return self.f.write(data)
+
+    def flush(self):
+        self.f.flush()
+
+
+def hashed_write(path, write) -> str:
+    """`fsync_write` through a `HashingFile`: returns the SHA-256 of what was written."""
+    digest = None
+
+    def through_hasher(f):
+        nonlocal digest
+        hashing = HashingFile(f)
+        write(hashing)
+        digest = hashing.sha256.hexdigest()
+    fsync_write(path, through_hasher)
+    return digest
+
+
 def atomic_write(path, write):
     """Write a file so that a kill or a full disk at any moment leaves either the old file
     or the new one, whole: write beside it, force to disk, rename over it, force the
@@ -50,7 +82,8 @@ def fsync_dir(path):
         os.close(fd)
 
 
-def _sha256(path: Path) -> str:
+def sha256_of(path: Path) -> str:
+    """The SHA-256 of a file, read in 1 MB blocks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -58,11 +91,15 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def write_manifest(folder: Path, meta: dict):
-    """Checksum every file under `folder` and write them with `meta` into manifest.json
-    (written last: a folder without one was never finished)."""
-    files = {str(p.relative_to(folder)): _sha256(p)
-             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST}
+def write_manifest(folder: Path, meta: dict, known: dict[str, str] | None = None):
+    """Write `meta` and a SHA-256 of every file under `folder` into manifest.json (written
+    last: a folder without one was never finished). `known`: digests taken as the files
+    were written (`hashed_write`) or by the ranks that wrote them; only the files missing
+    from it are read and hashed here."""
+    known = known or {}
+    files = {name: known.get(name) or sha256_of(p)
+             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST
+             for name in [str(p.relative_to(folder))]}
     fsync_write(folder / MANIFEST, lambda f: f.write(json.dumps({**meta, "sha256": files}, indent=1).encode()))
 
 
@@ -77,13 +114,19 @@ def read_manifest(folder: Path) -> dict:
 def verify_manifest(folder: Path) -> dict:
     """The metadata, after checking every file against its checksum (ValueError if not)."""
     meta = read_manifest(folder)
-    for name, digest in meta["sha256"].items():
+    check_files(folder, meta, meta["sha256"])
+    return meta
+
+
+def check_files(folder: Path, meta: dict, names) -> None:
+    """Check the files `names` of `folder` against the checksums in `meta` (a manifest):
+    ValueError naming the first that is missing or differs."""
+    for name in names:
         path = Path(folder) / name
         if not path.is_file():
             raise ValueError(f"{name} is missing")
-        if _sha256(path) != digest:
+        if sha256_of(path) != meta["sha256"][name]:
             raise ValueError(f"{name} does not match its checksum (corrupted)")
-    return meta
 
 
 def dir_size_mb(path: Path) -> float:

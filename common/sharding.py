@@ -154,10 +154,10 @@ def mean_over_ranks(losses, device) -> list[float]:
     return (t / dist.get_world_size()).tolist()
 
 
-def start_summary(args, demo, num_params: int, timing_dtype: str) -> dict:
+def start_summary(args, demo, config, num_params: int, timing_dtype: str) -> dict:
     """The run's facts for the JSON; rank 0 announces the run."""
     summary = {"world_size": demo.world, "backend": demo.backend, "device_name": device_name(demo.device),
-               "num_params": num_params, "proof_dtype": "fp64", "timing_dtype": timing_dtype,
+               "model_config": config.to_dict(), "num_params": num_params, "proof_dtype": "fp64", "timing_dtype": timing_dtype,
                "proof_bound": None, "load_average_before": os.getloadavg()[0],
                "tokens_per_step": demo.world * args.batch_size * args.seq_length, "args": vars(args)}
     if demo.rank == 0:

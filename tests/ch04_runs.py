@@ -6,10 +6,11 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 
 import torch
 
-from conftest import TINY, read_jsonl, run, torchrun_cmd
+from conftest import REPO, TINY, read_jsonl, run, torchrun_cmd
 
 SCRIPT = "04-checkpointing/train_llm.py"
 NAME = "run"
@@ -27,11 +28,22 @@ def flags(save_dir, *extra):
             "--save-dir", save_dir, "--experiment-name", NAME, *extra]
 
 
-def train(save_dir, *extra, restarts=0, check=True):
+def train(save_dir, *extra, restarts=0, check=True, env=None):
     """The chapter's command: torchrun, 2 processes on the CPU (gloo). A run takes
     seconds; the short timeout turns a hang into a failure soon."""
     cmd = torchrun_cmd(2, SCRIPT, *flags(save_dir, *extra), extra=[f"--max-restarts={restarts}"])
-    return run(cmd, check=check, timeout=120)
+    return run(cmd, check=check, timeout=120, env=env)
+
+
+def start_job(cmd, log, until, timeout=240, env=None):
+    """A torchrun job in a session of its own, output to `log`; returns once `until()`
+    holds (or the job ended, or `timeout` passed)."""
+    job = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                           env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    deadline = time.monotonic() + timeout
+    while job.poll() is None and time.monotonic() < deadline and not until():
+        time.sleep(0.01)
+    return job
 
 
 def kill_job(launcher_pid: int):

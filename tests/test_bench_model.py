@@ -6,6 +6,8 @@ the benchmark's, the model and the loss as one graph.)"""
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from common.bench_model import loss_of, main, make_optimizer, train_step
@@ -33,9 +35,11 @@ def test_the_benchmarked_training_step_trains():
     assert training_losses(loss_of, steps=3) == eager[:3]
 
 
-def test_benchmark_reports_mfu_against_the_measured_peak(capsys):
+def test_benchmark_reports_mfu_against_the_measured_peak(capsys, tmp_path):
+    """The table and its --json file hold the same rows; on a CPU no peak memory per step
+    (the allocator's peak is CUDA's)."""
     main(["--presets", "tiny", "--seq-length", "32", "--batch-size", "2", "--iters", "1",
-          "--warmup", "0", "--no-compile", "--device", "cpu"])
+          "--warmup", "0", "--no-compile", "--device", "cpu", "--json", str(tmp_path / "bench.json")])
     out = capsys.readouterr().out
     assert "MFU against" in out and "(measured fp32 matmul peak)" in out
     assert "torch.compile took" not in out   # --no-compile: no compile, no compiled rows
@@ -45,4 +49,10 @@ def test_benchmark_reports_mfu_against_the_measured_peak(capsys):
     assert [(r[3], r[4]) for r in rows] == [("eager", "forward+backward"), ("eager", "training step")]
     for r in rows:
         assert r[7].endswith("FLOP/s") and r[8].endswith("%") and float(r[8][:-1]) > 0
-        assert r[9] == "1.00x"
+        assert r[9] == "1.00x" and r[10] == "-"
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert (saved["device"], saved["dtype"], saved["peak_source"]) == ("cpu", "fp32", "measured")
+    assert saved["torch_version"] == torch.__version__ and saved["compile_s"] == {}
+    assert [(r["mode"], r["step"]) for r in saved["rows"]] == [(r[3], r[4]) for r in rows]
+    for row, shown in zip(saved["rows"], rows):
+        assert f"{100 * row['mfu']:.1f}%" == shown[8] and row["peak_memory_mb"] is None

@@ -5,6 +5,7 @@ and prints; scaling efficiency comes from a matching chapter 01 run."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -200,6 +201,43 @@ def test_slurm_script_is_valid_bash_and_launches_what_the_readme_says(tmp_path):
     assert out[1].startswith("torchrun --nnodes=2 --nproc-per-node=8 --rdzv-id=123456 "
                              "--rdzv-backend=c10d --rdzv-endpoint=10.0.0.1:23456 "
                              "--local-addr=10.0.0.2 03-ddp/train_llm.py --experiment-name ddp-123456")
+
+
+DYNAMO_PROBE = """
+import atexit, json, os, runpy, sys
+import torch
+from torch._dynamo.backends import distributed as ddp_backend
+from torch._dynamo.utils import counters
+pieces = []
+real_split = ddp_backend.DDPOptimizer.compile_fn
+def split(self, gm, example_inputs):
+    compiled = real_split(self, gm, example_inputs)
+    pieces.append(len(self.buckets))
+    return compiled
+ddp_backend.DDPOptimizer.compile_fn = split
+real_compile = torch.nn.Module.compile
+torch.nn.Module.compile = lambda self, *a, **k: real_compile(self, *a, **{**k, "backend": "eager"})
+atexit.register(lambda: os.environ["RANK"] == "0" and print("DYNAMO", json.dumps(
+    {"breaks": sum(counters["graph_break"].values()), "graphs": counters["stats"]["unique_graphs"],
+     "pieces": pieces}), flush=True))
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_compile_under_ddp_is_one_graph_cut_by_ddps_optimizer(tmp_path):
+    """--compile compiles the module before DDP wraps it: dynamo traces it with no graph
+    break, and through DDP's optimizer (which cuts the graph at the buckets' borders, so
+    the all-reduces still overlap backward). The graph is dynamo's whatever the backend,
+    so the probe compiles with the "eager" backend (no code generation: seconds, not a
+    minute); that the compiled model trains what eager trains is chapter 01's test."""
+    wrapper = tmp_path / "probe.py"
+    wrapper.write_text(DYNAMO_PROBE)
+    proc = run(torchrun_cmd(2, wrapper, REPO / SCRIPT, *train_args(tmp_path, "compiled", 4, "--compile",
+                                                                   steps=3)))
+    found = [json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("DYNAMO ")]
+    assert found and found[0]["breaks"] == 0 and found[0]["graphs"] >= 1, proc.stdout[-2000:]
+    assert found[0]["pieces"] and all(n >= 1 for n in found[0]["pieces"]), found
 
 
 COUNT_COLLECTIVES = """

@@ -8,9 +8,11 @@ settings are refused by name; a resumed epoch starts mid-way."""
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import pickle
 import random
+import signal
 
 import pytest
 import torch
@@ -18,10 +20,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from common.checkpoint_folder import RUN_DEFINING_FLAGS, run_settings
+from common.durable import read_manifest, sha256_of
 from conftest import free_port, load_script
 
 ch04 = load_script("04-checkpointing/train_llm.py")  # puts its folder on sys.path
 import checkpoint  # noqa: E402  the chapter's lesson module, beside the script
+import preemption  # noqa: E402
 
 SETTINGS = {"lr": 1.0}
 
@@ -84,6 +88,24 @@ def test_a_saved_checkpoint_loads_back_exactly(tmp_path):
     assert checkpoint.load_latest(checkpoint.checkpoint_candidates(tmp_path, log), fresh, SETTINGS,
                                   rank=0, log=log) == path
     assert same_tensors(fresh, saved) and fresh.step == 3 and not log.lines
+
+
+def bytes_read() -> int:
+    """What this process has read so far through read() calls, from any file (Linux)."""
+    return int(dict(line.split(": ") for line in open("/proc/self/io").read().splitlines())["rchar"])
+
+
+def test_a_save_reads_nothing_back_and_its_checksum_is_the_files(tmp_path):
+    """state.pt's checksum is taken from the bytes as torch.save writes them (a hashing
+    file between the two), so a save reads nothing back; the manifest still holds the
+    file's SHA-256, which a resume checks."""
+    state = train_state(0, steps=1, width=4096)
+    torch.save(state.state_dict(), io.BytesIO())  # a first torch.save imports what it needs
+    before = bytes_read()
+    path = save(state, tmp_path)
+    read, size = bytes_read() - before, (path / "state.pt").stat().st_size
+    assert size > 300_000 and read < size / 100, (read, size)
+    assert read_manifest(path)["sha256"] == {"state.pt": sha256_of(path / "state.pt")}
 
 
 def test_another_runs_settings_are_refused_by_name_before_loading(tmp_path, capsys):
@@ -203,12 +225,49 @@ def two_ranks(rank, port, root, results):
                      "objects": sent["objects"], "tensors": sent["tensors"],
                      "n_tensors": len(list(saved.tensors())), "warnings": log.lines,
                      "state_bytes": (path / "state.pt").stat().st_size}
+    results[f"votes {rank}"] = stop_votes(rank)
     dist.destroy_process_group()
 
 
-def test_rank_0_reads_and_every_rank_receives_each_tensor_in_place(tmp_path):
-    results = mp.Manager().dict()
-    mp.spawn(two_ranks, args=(free_port(), tmp_path, results), nprocs=2, join=True)
+def stop_votes(rank) -> dict:
+    """Two runs of the stop vote, every all-reduce counted: rank 1 gets SIGTERM in step 3
+    of 8; then rank 0 gets one in the last step (3 of 3)."""
+    counts = {"blocking": 0, "async": 0}
+    all_reduce = dist.all_reduce
+
+    def counting(tensor, *args, async_op=False, **kwargs):
+        counts["async" if async_op else "blocking"] += 1
+        return all_reduce(tensor, *args, async_op=async_op, **kwargs)
+
+    dist.all_reduce = counting
+    runs = []
+    for signalled_rank, signal_step, last in ((1, 3, 8), (0, 3, 3)):
+        stop, answers = preemption.StopRequest(), []
+        counts.update({"blocking": 0, "async": 0})
+        try:
+            for step in range(1, last + 1):
+                if rank == signalled_rank and step == signal_step:
+                    os.kill(os.getpid(), signal.SIGTERM)  # arrives during this step
+                answers.append(stop.agreed(last_step=step == last))
+                if answers[-1]:
+                    break
+        finally:
+            stop.uninstall()
+        runs.append({"answers": answers, "in flight": stop.vote is not None, **counts})
+    dist.all_reduce = all_reduce
+    return runs
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    """One launch of two ranks for the tests below: (results by rank, checkpoint folder)."""
+    root, results = tmp_path_factory.mktemp("two-ranks"), mp.Manager().dict()
+    mp.spawn(two_ranks, args=(free_port(), root, results), nprocs=2, join=True)
+    return results, root
+
+
+def test_rank_0_reads_and_every_rank_receives_each_tensor_in_place(spawned):
+    results, tmp_path = spawned
     for rank in (0, 1):
         r = results[rank]
         assert r["path"] == str(tmp_path / "step-00000003") and r["step"] == 3
@@ -219,3 +278,19 @@ def test_rank_0_reads_and_every_rank_receives_each_tensor_in_place(tmp_path):
         assert r["tensors"] == r["n_tensors"]
         assert sum(r["objects"]) < r["state_bytes"] / 10, (r["objects"], r["state_bytes"])
     assert "step-99 cannot be used" in results[0]["warnings"][0]
+
+
+def test_the_stop_vote_never_blocks_a_step_and_every_rank_stops_at_the_same_one(spawned):
+    """Each step starts its vote without waiting (async all-reduce) and reads the previous
+    step's: no blocking collective per step. A signal during step 3 stops every rank
+    after step 4, the one after it; in the last step the run waits for its own vote,
+    and nothing is left in flight."""
+    results, _ = spawned
+    for rank in (0, 1):
+        mid, last = results[f"votes {rank}"]
+        other = "a signal to another rank"
+        assert mid["answers"] == [None, None, None, "SIGTERM" if rank == 1 else other]
+        assert (mid["blocking"], mid["async"]) == (0, 3)  # steps 1-3 voted; step 4 read a stop
+        assert last["answers"] == [None, None, "SIGTERM" if rank == 0 else other]
+        assert (last["blocking"], last["async"]) == (0, 3)
+        assert not mid["in flight"] and not last["in flight"]

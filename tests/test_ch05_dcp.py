@@ -21,6 +21,7 @@ from conftest import free_port, load_script, run, torchrun_cmd
 SCRIPT = "05-collectives/sharded_checkpoint.py"
 ckpt = load_script(SCRIPT)
 from common.distributed import Demo  # noqa: E402
+from common.durable import sha256_of  # noqa: E402
 from common.model import get_config  # noqa: E402
 TINY = ["--model-preset", "tiny", "--seq-length", "32", "--batch-size", "2", "--steps", "2"]
 STEP = "step-00000002"
@@ -56,6 +57,8 @@ def test_each_rank_writes_its_own_part(saved):
     manifest = json.loads((step_dir / "manifest.json").read_text())
     assert manifest["world_size"] == 2 and manifest["step"] == 2
     assert set(manifest["sha256"]) == {*shards, ".metadata"}
+    # each rank's checksum of its own file, gathered into rank 0's manifest, is the file's
+    assert manifest["sha256"] == {name: sha256_of(step_dir / name) for name in manifest["sha256"]}
 
 
 def test_loaded_on_three_ranks_every_tensor_equals_the_saved_state(saved, tmp_path):

@@ -1,7 +1,8 @@
 """Chapter 05, sharding: ZeRO-1, ZeRO-3 and FSDP2 end with DDP's weights (bit for bit on
 2 ranks; on 3 and 4, within the bound that summation order allows, derived from fp64's
 rounding, lr, the steps and AdamW's eps, even at a large --lr), hold 1/N of the optimizer
-state, and send the bytes the textbook says; the shard layout keeps weight decay per
+state, and send the bytes the textbook says, which `python -m common.plan` computes to
+the byte; the shard layout keeps weight decay per
 element; a wrong weight or a wrong update fails the proof; each phase is announced; bad
 flags exit 2."""
 
@@ -18,8 +19,9 @@ from conftest import REPO, load_script, python_cmd, read_json, run, torchrun_cmd
 
 SCRIPT = "05-collectives/sharded_from_scratch.py"
 sharded = load_script(SCRIPT)
-from common import proof, sharding  # noqa: E402
+from common import plan, proof, sharding  # noqa: E402
 from common.distributed import Demo  # noqa: E402
+from common.model import LlamaConfig  # noqa: E402
 
 TINY = ["--model-preset", "tiny", "--seq-length", "32", "--batch-size", "2"]
 # The proof always runs --proof-steps 3 fp64 steps (the default). The timed phase is
@@ -159,6 +161,18 @@ def test_bad_flags_exit_2_as_a_process(tmp_path):
 
 # ------------------------------------------------------------------ the proof
 
+def assert_the_plan_matches(result):
+    """`python -m common.plan` on the run's model and world (fp32, as the CPU runs time)
+    says to the byte what every mode held per rank (the worst rank: padding and AdamW's
+    step counters included) and sent per step, kind by kind."""
+    model, world = plan.llama(LlamaConfig(**result["model_config"])), result["world_size"]
+    for mode, r in result["modes"].items():
+        held = plan.state_bytes(model, mode, world, plan.PRECISIONS["fp32"])
+        assert {k: r["bytes"][k] for k in held} == held, mode
+        sent = plan.sent_bytes(model, mode, world, plan.PRECISIONS["fp32"])
+        assert r["comm_sent_bytes_per_step"] == pytest.approx(sent, rel=1e-12), mode
+
+
 def run_script(tmp_path, nproc, *flags):
     proc = run(torchrun_cmd(nproc, SCRIPT, *TINY, *flags, "--save-dir", tmp_path,
                             "--experiment-name", f"s{nproc}"), timeout=240)
@@ -198,6 +212,7 @@ def test_every_mode_equals_ddp_bit_for_bit_on_2_ranks(tmp_path):
     assert sent["zero3"] == pytest.approx(1.5 * p_bytes, rel=1e-3)  # gathers twice: 3(N-1)/N
     # FSDP2 keeps the root (embedding, head) gathered from forward to backward: less
     assert p_bytes < sent["fsdp2"] < 1.5 * p_bytes
+    assert_the_plan_matches(result)
 
 
 @pytest.mark.parametrize("nproc, flags", [(3, ["--lr", "0.1"]), (4, [])], ids=["3-ranks-lr-0.1", "4-ranks"])
@@ -218,6 +233,7 @@ def test_every_mode_equals_ddp_within_the_rounding_bound(tmp_path, nproc, flags)
         assert share == pytest.approx(1 / nproc, abs=0.005), m
         if nproc == 4:
             assert share <= 0.26, m
+    assert_the_plan_matches(result)  # 3 ranks: every flat buffer and dim 0 padded
 
 
 def test_a_wrong_update_on_one_rank_fails_the_proof(tmp_path):

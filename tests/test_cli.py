@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from common.cli import base_parser, check_args, script_parser
+from common.distributed import BACKEND_ENV, backend_for, gpu_sharing_error
 from common.errors import UsageError, fail
 from conftest import REPO, load_script, refused
 
@@ -193,3 +194,41 @@ def test_script_parser_needs_torchrun(tmp_path, capsys, monkeypatch):
     with pytest.raises(SystemExit):
         script_parser("05-x", "test").parse_args(["--save-dir", str(tmp_path)])
     assert "at least 2 processes" in capsys.readouterr().err
+
+
+# ---- the backend: nccl for GPUs, gloo for CPUs, or gloo on GPUs when asked ----------
+
+@pytest.mark.parametrize("choice, cuda, processes, gpus, message", [
+    ("", False, 2, 0, None),        # CPUs: gloo, any number of processes
+    ("gloo", False, 2, 0, None),
+    ("", True, 1, 1, None),         # a GPU per process: nccl
+    ("nccl", True, 2, 2, None),
+    ("gloo", True, 2, 1, None),     # two ranks sharing one GPU: only gloo can
+    ("", True, 2, 1, "2 processes on this machine but 1 GPU(s): nccl needs a GPU per process"),
+    ("nccl", True, 3, 2, "3 processes on this machine but 2 GPU(s)"),
+    ("nccl", False, 1, 0, "LLM_GUIDE_BACKEND=nccl needs GPUs"),
+    ("mpi", True, 1, 1, "LLM_GUIDE_BACKEND='mpi': choose nccl or gloo"),
+], ids=["cpu", "cpu-gloo", "gpu", "gpus-nccl", "shared-gloo", "shared-nccl", "3-on-2", "nccl-cpu", "mpi"])
+def test_backend_choice(choice, cuda, processes, gpus, message):
+    error = gpu_sharing_error(choice, cuda, processes, gpus)
+    assert error is None if message is None else message in error
+
+
+def test_backend_follows_the_device_unless_gloo_is_asked_for(monkeypatch):
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    assert (backend_for("cpu"), backend_for("cuda:1")) == ("gloo", "nccl")
+    monkeypatch.setenv(BACKEND_ENV, "gloo")
+    assert (backend_for("cpu"), backend_for("cuda:1")) == ("gloo", "gloo")
+
+
+def test_a_backend_that_cannot_work_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    """Chapters 03-04 and the chapter 05 scripts check LLM_GUIDE_BACKEND with their flags."""
+    monkeypatch.setenv(BACKEND_ENV, "nccl")  # and no GPU here
+    line = refusal(capsys, tmp_path, distributed=True)
+    assert "LLM_GUIDE_BACKEND=nccl needs GPUs" in line
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv(BACKEND_ENV, "ncl")
+    line = refused(capsys, script_parser("05-x", "test").parse_args, ["--save-dir", tmp_path])
+    assert "LLM_GUIDE_BACKEND='ncl': choose nccl or gloo" in line
+    assert not any(tmp_path.iterdir())

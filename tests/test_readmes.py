@@ -4,6 +4,7 @@ one runs: launched by the proof test that covers it, or here with tiny settings.
 
 from __future__ import annotations
 
+import importlib
 import re
 import shlex
 import subprocess
@@ -20,6 +21,7 @@ READMES = [REPO / "README.md"] + [REPO / c / "README.md" for c in CHAPTERS]
 PREVIOUS = {"02-data-parallel": "01-single-gpu", "03-ddp": "01-single-gpu",
             "04-checkpointing": "03-ddp"}
 NEEDS_MARK = re.compile(r"#\s*needs\b")
+TOOL = re.compile(r"python -m (common\.\w+)(.*)$")  # e.g. python -m common.plan --nodes 2
 # appended to every train_llm.py command (argparse: the last occurrence wins)
 TRAIN_OVERRIDES = ["--model-preset", "tiny", "--seq-length", "64", "--batch-size", "4",
                    "--val-batches", "2", "--num-workers", "0", "--log-freq", "5"]
@@ -124,6 +126,11 @@ LAUNCHED_BY = {
     "python 02-data-parallel/train_llm.py": "test_ch02_data_parallel.py::runs",
     "torchrun --standalone --nproc-per-node=2 03-ddp/train_llm.py": "test_ch03_ddp.py::ddp",
     "python 03-ddp/train_llm.py --max-steps 20": "test_ch03_ddp.py::accum",
+    "torchrun --standalone --nproc-per-node=2 03-ddp/ddp_knobs.py": "test_ch03_ddp_knobs.py::knobs",
+    "TORCH_DISTRIBUTED_DEBUG=DETAIL torchrun --standalone --nproc-per-node=2 03-ddp/debug_hang.py":
+        "test_ch03_debug_hang.py::test_detail_names_the_mismatched_collective_on_both_ranks",
+    "TORCH_DISTRIBUTED_DEBUG=DETAIL torchrun --standalone --nproc-per-node=2 03-ddp/debug_hang.py "
+    "--failure hang --timeout 12": "test_ch03_debug_hang.py::test_a_hang_shows_every_stack_and_detail_names_the_missing_rank",
     "torchrun --nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:29400 "
     "--rdzv-id=demo 03-ddp/train_llm.py --experiment-name two-nodes --max-steps 20":
         "test_ch03_ddp.py::two_nodes",
@@ -288,12 +295,17 @@ def test_readme_commands_parse_and_run(chapter, tmp_path, monkeypatch):
         f"{chapter}/README.md: every command is marked as needing special hardware"
     monkeypatch.chdir(REPO)  # relative paths in the commands are from the repo root
     for command, runnable in commands:
-        check_command_parses(command, runnable, tmp_path, monkeypatch)
+        if not TOOL.match(command):
+            check_command_parses(command, runnable, tmp_path, monkeypatch)
     monkeypatch.undo()
     for command, runnable in commands:
         if not runnable:
             continue
         remark, command = command, re.sub(r"\s+#.*$", "", command)  # a remark after it
+        tool = TOOL.match(command)
+        if tool:  # a command-line tool of `common`: its main(), in this process, as written
+            importlib.import_module(tool[1]).main(shlex.split(tool[2]))
+            continue
         if command in LAUNCHED_BY:
             file, _, where = LAUNCHED_BY[command].partition("::")
             code = (REPO / "tests" / file).read_text()

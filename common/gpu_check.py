@@ -1,0 +1,248 @@
+"""Everything this guide measures on a GPU, in one command, into one folder.
+
+    python -m common.gpu_check --download-wheels     # here, online: the wheels a GPU machine lacks
+    python -m common.gpu_check --out gpu-results     # on the GPU machine, offline
+    python -m common.gpu_check --out gpu-results --dry-run   # the steps, without running them
+    python -m common.gpu_check --out suite --no-bench -k "not chapter_05"   # a part of it
+
+On the GPU machine it (1) installs what cannot be imported there (`datasets`, say) from
+the wheels brought along in `.whl/` (`pip install --no-index --find-links`: no registry
+needed), (2) runs the GPU test suite (`python -m pytest -q -m gpu tests/`, JUnit XML and
+log), (3) runs the model benchmark in bf16 (`python -m common.bench_model`, presets small,
+base and medium at sequence 1024, eager and compiled), and (4) writes `results.json`: the
+device, driver, torch and CUDA versions, the date, each step's outcome and time, and the
+throughput targets met or not. Every file lands in the folder given, which must be new or
+empty. `--download-wheels` is its companion, run where PyPI is reachable: it downloads
+the wheels for the GPU machine's Python into `.whl/` (ignored by git).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .errors import fail
+from .jsonfiles import write_json
+
+REPO = Path(__file__).resolve().parents[1]
+WHEELS = REPO / ".whl"
+# What the guide needs beyond what a GPU image with torch usually has; installed only
+# where it cannot be imported.
+NEEDED = ("datasets", "pytest")
+# The GPU machine's image holds these (and recent versions): leaving their wheels out
+# keeps what travels with the repository small.
+ALREADY_THERE = ("pyarrow", "numpy", "pandas")
+BENCH_ARGS = ["--presets", "small", "base", "medium", "--seq-length", "1024", "--batch-size", "16",
+              "--iters", "10", "--warmup", "3"]
+# (what, where in the results, at least): the targets on one H100 in bf16.
+TARGETS = [
+    ("chapter 01, base, seq 1024, compiled: MFU", ("gpu_tests", "ch01_base_compiled", "mfu"), 0.40),
+    ("chapter 01, base, seq 1024, eager: MFU", ("gpu_tests", "ch01_base_eager", "mfu"), 0.25),
+    ("chapter 03 at world size 1 on nccl: tokens/s vs chapter 01",
+     ("gpu_tests", "ch03_base_nccl_1", "scaling_efficiency"), 0.97),
+]
+
+
+@dataclass
+class Step:
+    name: str
+    argv: list[str]
+    log: str                       # file name in the output folder
+    env: dict = field(default_factory=dict)
+    timeout_s: float = 3600
+
+
+def missing_modules(names=NEEDED) -> list[str]:
+    """The modules of `names` this Python cannot import."""
+    return [n for n in names if importlib.util.find_spec(n) is None]
+
+
+def plan(out: Path, missing: list[str], wheels: Path = WHEELS, tests: bool = True,
+         bench: bool = True, select: str | None = None) -> list[Step]:
+    """The steps of a run, in order: install what is missing, the GPU suite (only its tests
+    that pytest's `-k select` picks, if given), the benchmark."""
+    py = sys.executable
+    steps = []
+    if missing:
+        steps.append(Step("install", [py, "-m", "pip", "install", "--no-index", "--find-links", str(wheels),
+                                      *missing], "install.log", timeout_s=900))
+    if tests:
+        steps.append(Step("gpu tests", [py, "-m", "pytest", "-q", "-m", "gpu", "tests/",
+                                        f"--junitxml={out / 'gpu_tests.xml'}",
+                                        *(["-k", select] if select else [])], "gpu_tests.log",
+                          env={"LLM_GUIDE_GPU_RESULTS": str(out)}))
+    if bench:
+        steps.append(Step("bench_model", [py, "-m", "common.bench_model", *BENCH_ARGS,
+                                          "--json", str(out / "bench_model.json")], "bench_model.log"))
+    return steps
+
+
+def run_step(step: Step, out: Path) -> dict:
+    """Run one step from the repo root, its output into its log; its outcome and time."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           "PYTHONUNBUFFERED": "1", **step.env}
+    print(f"== {step.name}: {shlex.join(step.argv)}  (log: {out / step.log})", flush=True)
+    t0 = time.perf_counter()
+    with open(out / step.log, "w") as log:
+        try:
+            status = subprocess.run(step.argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    timeout=step.timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            status = "timed out"
+    seconds = time.perf_counter() - t0
+    print(f"   {step.name}: {'ok' if status == 0 else f'FAILED ({status})'} in {seconds:,.0f} s", flush=True)
+    return {"name": step.name, "command": shlex.join(step.argv), "log": step.log, "status": status,
+            "seconds": seconds}
+
+
+def nvidia_smi() -> dict:
+    """The GPUs and driver as nvidia-smi reports them ({} where it is not there)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    rows = [[c.strip() for c in line.split(",")] for line in out.stdout.splitlines() if line.strip()]
+    return {"gpus": [r[0] for r in rows], "driver": rows[0][1] if rows and len(rows[0]) > 1 else None,
+            "memory_total": rows[0][2] if rows and len(rows[0]) > 2 else None}
+
+
+def commit() -> str | None:
+    """The repository's commit, where this is a git checkout with git installed."""
+    try:
+        git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    except OSError:
+        return None
+    return git.stdout.strip() if git.returncode == 0 else None
+
+
+def environment() -> dict:
+    return {"date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "host": socket.gethostname(),
+            "python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
+            "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+            "nvidia_smi": nvidia_smi(), "commit": commit()}
+
+
+def targets(results: dict) -> list[dict]:
+    """Each target with its measured value (None where the run did not produce it) and
+    whether it is met."""
+    out = []
+    for what, path, at_least in TARGETS:
+        value = results
+        for key in path:
+            value = value.get(key) if isinstance(value, dict) else None
+        out.append({"target": what, "at_least": at_least, "value": value,
+                    "met": None if value is None else value >= at_least})
+    return out
+
+
+def read_json_or_none(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def download_wheels(dest: Path, python_version: str, packages: list[str], exclude: list[str]) -> int:
+    """pip download the packages and their dependencies as wheels for CPython
+    `python_version` on x86-64 Linux into `dest`, then drop the excluded projects' wheels."""
+    dest.mkdir(parents=True, exist_ok=True)
+    argv = [sys.executable, "-m", "pip", "download", "--dest", str(dest), "--only-binary=:all:",
+            "--python-version", python_version, "--implementation", "cp",
+            *[a for p in ("manylinux2014_x86_64", "manylinux_2_17_x86_64", "manylinux_2_28_x86_64", "any")
+              for a in ("--platform", p)], *packages]
+    print(shlex.join(argv), flush=True)
+    status = subprocess.run(argv).returncode
+    if status != 0:
+        return status
+    dropped = [w for w in dest.glob("*.whl") if w.name.split("-")[0].lower().replace("_", "-") in exclude]
+    for wheel in dropped:
+        wheel.unlink()
+    size = sum(w.stat().st_size for w in dest.glob("*.whl")) / 2**20
+    print(f"{len(list(dest.glob('*.whl')))} wheels, {size:.1f} MB, in {dest}"
+          + (f" (left out, the GPU machine has them: {', '.join(w.name for w in dropped)})" if dropped else ""))
+    return 0
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m common.gpu_check", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--out", type=Path, help="the folder every result goes into (new or empty)")
+    p.add_argument("--dry-run", action="store_true", help="print the steps; run and create nothing")
+    p.add_argument("--wheels", type=Path, default=WHEELS, help="the wheels to install from")
+    p.add_argument("--no-tests", action="store_true", help="skip the GPU test suite")
+    p.add_argument("--no-bench", action="store_true", help="skip the model benchmark")
+    p.add_argument("-k", dest="select", default=None,
+                   help="only the GPU tests this pytest -k expression selects (e.g. 'chapter_05')")
+    p.add_argument("--download-wheels", action="store_true",
+                   help="instead: download the wheels for the GPU machine into --wheels (needs PyPI)")
+    p.add_argument("--python-version", default="3.12", help="with --download-wheels: the GPU machine's Python")
+    p.add_argument("--exclude", default=",".join(ALREADY_THERE),
+                   help="with --download-wheels: projects whose wheels to leave out (comma-separated)")
+    args = p.parse_args(argv)
+    if args.download_wheels:
+        return args
+    if args.out is None:
+        fail("--out is required (the folder the results go into), or --download-wheels")
+    if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
+        fail(f"--out {str(args.out)!r} exists and is not an empty folder; choose a new one")
+    if not args.dry_run and not torch.cuda.is_available():
+        fail("no CUDA GPU here: this runs the GPU suite and benchmark (--dry-run shows the steps)")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.download_wheels:
+        exclude = [e.strip().lower().replace("_", "-") for e in args.exclude.split(",") if e.strip()]
+        return download_wheels(args.wheels, args.python_version, list(NEEDED), exclude)
+    out = args.out.resolve()
+    missing = missing_modules()
+    steps = plan(out, missing, args.wheels, tests=not args.no_tests, bench=not args.no_bench,
+                 select=args.select)
+    if missing and not args.wheels.is_dir():
+        fail(f"cannot import {', '.join(missing)}, and there are no wheels in {args.wheels} to install "
+             f"from (python -m common.gpu_check --download-wheels, where PyPI is reachable)")
+    if args.dry_run:
+        print(f"would write into {out}:")
+        if not missing:
+            print(f"   ({', '.join(NEEDED)} already importable: nothing to install)")
+        for step in steps:
+            print(f"== {step.name}: {shlex.join(step.argv)}  (log: {step.log})")
+        print("then results.json: device, driver, torch, date, each step, the targets")
+        return 0
+    out.mkdir(parents=True, exist_ok=True)
+    results = {"environment": environment(), "steps": []}
+    print(f"{results['environment']['cuda_devices']}, driver {results['environment']['nvidia_smi'].get('driver')}, "
+          f"torch {torch.__version__}: results into {out}", flush=True)
+    for step in steps:
+        results["steps"].append(run_step(step, out))
+        if step.name == "install" and results["steps"][-1]["status"] != 0:
+            break  # nothing after it can import what it needs
+        write_json(out / "results.json", results)
+    results["gpu_tests"] = read_json_or_none(out / "gpu_tests.json")
+    results["bench_model"] = read_json_or_none(out / "bench_model.json")
+    results["targets"] = targets(results)
+    write_json(out / "results.json", results)
+    for t in results["targets"]:
+        value = "not measured" if t["value"] is None else f"{t['value']:.3f}"
+        print(f"target: {t['target']} >= {t['at_least']}: {value}"
+              + ("" if t["met"] is None else (" (met)" if t["met"] else " (NOT met)")))
+    failed = [s["name"] for s in results["steps"] if s["status"] != 0]
+    print(f"{'FAILED: ' + ', '.join(failed) if failed else 'every step passed'}; results in {out / 'results.json'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

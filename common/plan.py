@@ -1,0 +1,417 @@
+"""The plan on paper: what each rank holds, sends and saves for a model, a batch and a
+cluster, per way of distributing the training state, before renting the cluster.
+
+    python -m common.plan --model-preset large --seq-length 2048 --gpus-per-node 8
+    python -m common.plan --layers 32 --hidden-size 4096 --heads 32 --intermediate-size 11008 \\
+        --vocab-size 32000 --seq-length 4096 --gpus-per-node 8 --nodes 2 --precision bf16
+    python -m common.plan --params 7e9 --gpus-per-node 8      # no shape: no activations
+
+Modes as chapter 05 names them: ddp (everything on every rank), zero1 (as chapter 05
+builds it), zero2 (the textbook stage; chapter 05 does not build it), zero3 and fsdp2
+(chapter 05's ZeRO-3 and torch's fully_shard, one unit per decoder layer plus the root).
+
+Per rank: the parameters, gradients and AdamW state held between steps (the worst
+rank, padding and AdamW's 4-byte step counters included), the activations saved for
+backward with and without activation checkpointing; per step: the bytes each rank
+sends with ring collectives (nccl-tests' bus factors, `common.sharding.RING_FACTOR`)
+and their time at a bus bandwidth; the checkpoint's size and its save and resume time
+at a disk bandwidth. tests/test_plan.py and tests/test_ch05_sharded.py hold the
+formulas against what chapter 05's modes and autograd really hold and send.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from dataclasses import dataclass
+
+from .cli import Parser, comma_list, one_of, positive_float, positive_int
+from .errors import UsageError
+from .model import PRESETS, LlamaConfig, get_config
+from .sharding import RING_FACTOR
+from .tables import markdown_table
+
+MODES = ("ddp", "zero1", "zero2", "zero3", "fsdp2")
+STEP_COUNTER = 4  # bytes: AdamW's `step`, one fp32 scalar per tensor it updates
+CHECKPOINT_PER_PARAM = 12  # fp32 weights (or master copy) and AdamW's two moments
+TOKEN_ID, FP32 = 8, 4  # int64 token ids; fp32
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per element of each part of the training state, of what is sent, and of
+    the activations (`act`: what the matmuls save; `stream`: the residual stream that
+    activation checkpointing keeps; `autocast`: matmul inputs and weights cast per call)."""
+    param: int
+    grad: int
+    master: int
+    moments: int
+    comm: int
+    act: int
+    stream: int
+    autocast: bool
+    what: str
+
+
+PRECISIONS = {
+    "fp32": Precision(4, 4, 0, 8, 4, 4, 4, False,
+                      "fp32 weights, gradients, AdamW moments and activations (the chapters on CPUs)"),
+    "autocast": Precision(4, 4, 0, 8, 4, 2, 4, True,
+                          "fp32 weights, gradients and AdamW moments, bf16 autocast matmuls "
+                          "(the chapters on GPUs)"),
+    "bf16": Precision(2, 2, 4, 8, 2, 2, 2, False,
+                      "bf16 weights, gradients and activations, fp32 master weights and AdamW "
+                      "moments (the ZeRO paper's mixed precision)"),
+}
+
+
+@dataclass
+class Model:
+    """Parameter shapes grouped in sharding units, as chapter 05 groups them: the
+    embedding, each decoder layer, the final norm, the head (zero3 shards each unit; fsdp2
+    keeps the embedding, norm and head in its root unit). `config` is None when only a
+    parameter count is known: one 1-D tensor, no activations."""
+    units: list[list[tuple[int, ...]]]
+    root: list[bool]
+    config: LlamaConfig | None
+
+    @property
+    def num_params(self) -> int:
+        return sum(math.prod(s) for unit in self.units for s in unit)
+
+    @property
+    def num_tensors(self) -> int:
+        return sum(len(unit) for unit in self.units)
+
+
+def llama(config: LlamaConfig) -> Model:
+    """common.model.LlamaForCausalLM's parameters, shape by shape (nn.Linear: out x in)."""
+    h, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    kv = config.num_key_value_heads * config.head_dim
+    layer = [(h,), (h, h), (kv, h), (kv, h), (h, h), (h,), (i, h), (i, h), (h, i)]
+    units = [[(v, h)], *[list(layer) for _ in range(config.num_hidden_layers)], [(h,)], [(v, h)]]
+    return Model(units, [True] + [False] * config.num_hidden_layers + [True, True], config)
+
+
+def count_only(num_params: int) -> Model:
+    return Model([[(num_params,)]], [False], None)
+
+
+# ---------------------------------------------------------------- the training state
+
+def shard(numel: int, world: int) -> int:
+    """S: a flat buffer of `numel` elements padded to S x world, S per rank."""
+    return -(-numel // world)
+
+
+def slice_pieces(decayed: int, size: int, rank: int) -> int:
+    """AdamW tensors on `rank` for a flat slice of `size` (chapter 05's FlatShard puts the
+    `decayed` matrix elements first: at most one decayed and one undecayed piece)."""
+    cut = min(max(decayed - rank * size, 0), size)
+    return (cut > 0) + (size - cut > 0)
+
+
+def decayed(unit) -> int:
+    return sum(math.prod(s) for s in unit if len(s) >= 2)
+
+
+def fsdp2_local(shape: tuple[int, ...], world: int) -> int:
+    """Elements of rank 0's fully_shard shard of a tensor (the largest): dim 0 in chunks."""
+    return shard(shape[0], world) * math.prod(shape[1:])
+
+
+def state_bytes(model: Model, mode: str, world: int, p: Precision) -> dict:
+    """Bytes the worst rank holds between steps: parameters, gradients, optimizer (the
+    master copy, AdamW's moments and step counters)."""
+    n, opt = model.num_params, p.master + p.moments
+    if mode == "ddp":
+        return {"params": p.param * n, "grads": p.grad * n,
+                "optimizer": opt * n + STEP_COUNTER * model.num_tensors}
+    if mode in ("zero1", "zero2"):  # one flat buffer over every parameter
+        s, d = shard(n, world), sum(decayed(u) for u in model.units)
+        pieces = max(slice_pieces(d, s, r) for r in range(world))
+        # chapter 05's zero1 keeps the full gradient buffer and the slice reduce-scatter
+        # fills; ZeRO-2 reduce-scatters bucket by bucket and keeps the slice only
+        grads = s * world + s if mode == "zero1" else s
+        return {"params": p.param * s * world, "grads": p.grad * grads,
+                "optimizer": opt * s + STEP_COUNTER * pieces}
+    if mode == "zero3":  # one flat buffer per unit
+        sizes = [shard(sum(math.prod(s) for s in u), world) for u in model.units]
+        pieces = max(sum(slice_pieces(decayed(u), s, r) for u, s in zip(model.units, sizes))
+                     for r in range(world))
+        return {"params": p.param * sum(sizes), "grads": p.grad * sum(sizes),
+                "optimizer": opt * sum(sizes) + STEP_COUNTER * pieces}
+    if mode == "fsdp2":  # every tensor on its own, dim 0 split
+        local = sum(fsdp2_local(s, world) for u in model.units for s in u)
+        return {"params": p.param * local, "grads": p.grad * local,
+                "optimizer": opt * local + STEP_COUNTER * model.num_tensors}
+    raise ValueError(f"unknown mode {mode!r}")
+
+
+def gathered_unit_bytes(model: Model, mode: str, world: int, p: Precision) -> int:
+    """zero3, fsdp2: the largest unit's gathered parameters and full gradients, held
+    besides the shards while it computes (fsdp2's prefetching: up to two units)."""
+    if mode == "zero3":
+        return max((p.comm + p.grad) * shard(sum(math.prod(s) for s in u), world) * world for u in model.units)
+    if mode == "fsdp2":  # the embedding, final norm and head are one unit: the root
+        root = [s for u, is_root in zip(model.units, model.root) if is_root for s in u]
+        units = [u for u, is_root in zip(model.units, model.root) if not is_root] + [root]
+        return max((p.comm + p.grad) * sum(fsdp2_local(s, world) * world for s in u) for u in units)
+    return 0
+
+
+# ---------------------------------------------------------------------- the traffic
+
+def collective_bytes(model: Model, mode: str, world: int, p: Precision) -> dict:
+    """Per step, the bytes of the arrays each kind of collective carries (the reduced,
+    scattered or gathered whole, nccl-tests' size convention), summed over calls."""
+    n = model.num_params
+    if mode == "ddp":
+        return {"all_reduce": p.comm * n}
+    if mode in ("zero1", "zero2"):
+        padded = shard(n, world) * world
+        return {"reduce_scatter": p.comm * padded, "all_gather": p.comm * padded}
+    if mode == "zero3":  # gathered before forward and again before backward
+        padded = [shard(sum(math.prod(s) for s in u), world) * world for u in model.units]
+        return {"all_gather": 2 * p.comm * sum(padded), "reduce_scatter": p.comm * sum(padded)}
+    if mode == "fsdp2":  # the root unit stays gathered from forward to backward: once
+        padded = [sum(fsdp2_local(s, world) * world for s in u) for u in model.units]
+        gathers = sum(b * (1 if root else 2) for b, root in zip(padded, model.root))
+        return {"all_gather": p.comm * gathers, "reduce_scatter": p.comm * sum(padded)}
+    raise ValueError(f"unknown mode {mode!r}")
+
+
+def sent_bytes(model: Model, mode: str, world: int, p: Precision) -> dict:
+    """Per step, the bytes each rank sends, per kind of collective (a ring algorithm)."""
+    return {k: RING_FACTOR[k](world) * b for k, b in collective_bytes(model, mode, world, p).items()}
+
+
+# ------------------------------------------------------------------ the activations
+
+def layer_activation_bytes(config: LlamaConfig, tokens: int, seq: int, p: Precision) -> int:
+    """What autograd saves for backward in one decoder layer of common.model (counted in
+    tests/test_plan.py with saved-tensor hooks), for `tokens` = batch x seq:
+    fp32 always: the two RMSNorms' fp32 inputs (2h) and 1/rms (2), attention's logsumexp
+    (one per head); the norms' normalised x (2h) in the stream dtype; in the compute
+    dtype: q (h), k and v (2 kv), attention's output (h), gate, up, silu and their product
+    (4i), and the norms' outputs as the linears take them (2h: once per norm; autocast
+    casts them per linear: 3h + 2h). Autocast also saves a bf16 copy of every weight and
+    of the rotary tables (4 x seq x head_dim)."""
+    c = config
+    h, i, heads = c.hidden_size, c.intermediate_size, c.num_attention_heads
+    kv = c.num_key_value_heads * c.head_dim
+    norm_outputs = 5 * h if p.autocast else 2 * h
+    per_token = FP32 * (2 * h + 2 + heads) + p.stream * 2 * h + p.act * (2 * h + 2 * kv + 4 * i + norm_outputs)
+    total = tokens * per_token
+    if p.autocast:
+        total += p.act * (sum(math.prod(s) for s in llama(c).units[1] if len(s) >= 2) + 4 * seq * c.head_dim)
+    return total
+
+
+def head_activation_bytes(config: LlamaConfig, tokens: int, p: Precision) -> int:
+    """Outside the layers: the token ids (embedding) and targets (loss), the final norm
+    (as a layer's), its output as the head takes it, and the fp32 log-softmax the
+    cross-entropy saves (vocab per token); autocast adds the head's bf16 weight."""
+    h, v = config.hidden_size, config.vocab_size
+    per_token = 2 * TOKEN_ID + FP32 * (h + 1) + p.stream * h + p.act * h + FP32 * v
+    return tokens * per_token + (p.act * v * h if p.autocast else 0)
+
+
+def activation_bytes(config: LlamaConfig, batch: int, seq: int, p: Precision, checkpointing: bool) -> int:
+    """Saved for backward on one rank. With activation checkpointing (each decoder layer
+    under torch.utils.checkpoint) only each layer's input is kept; in backward one layer
+    at a time is recomputed, its activations held until its gradients are done."""
+    tokens, layers = batch * seq, config.num_hidden_layers
+    layer = layer_activation_bytes(config, tokens, seq, p)
+    kept = layers * tokens * config.hidden_size * p.stream + layer if checkpointing else layers * layer
+    return kept + head_activation_bytes(config, tokens, p)
+
+
+# ------------------------------------------------------------------ the checkpoint
+
+def checkpoint_bytes(model: Model) -> int:
+    """The training state a checkpoint holds: fp32 weights (the master copy in bf16),
+    AdamW's moments and step counters (chapter 04's file; chapter 05's DCP shards)."""
+    return CHECKPOINT_PER_PARAM * model.num_params + STEP_COUNTER * model.num_tensors
+
+
+def checkpoint_seconds(model: Model, mode: str, nodes: int, world: int, disk_gbps: float,
+                       busbw_gbps: float) -> tuple[float, float]:
+    """(save, resume) seconds. ddp: chapter 04, rank 0 writes the whole file, and on
+    resume reads it and broadcasts it to the others. Sharded modes: DCP, every rank
+    writes and reads its own part, so every node's storage bandwidth works at once."""
+    size = checkpoint_bytes(model)
+    if mode == "ddp":
+        write = size / (disk_gbps * 1e9)
+        broadcast = size / (busbw_gbps * 1e9) if world > 1 else 0.0
+        return write, write + broadcast
+    seconds = size / (nodes * disk_gbps * 1e9)
+    return seconds, seconds
+
+
+# ------------------------------------------------------------------- the command line
+
+def number_of_params(text: str) -> int:
+    """7e9, 7B, 6.7b, 350M, 125k, 7000000000."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmbt]?)\s*", text.lower())
+    if not m:
+        raise argparse.ArgumentTypeError(f"must be a parameter count like 7e9, 7B or 350M (got {text!r})")
+    value = float(m[1]) * {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}[m[2]]
+    if value < 1 or not math.isfinite(value) or value != round(value):
+        raise argparse.ArgumentTypeError(f"must be a whole number of parameters >= 1 (got {text!r})")
+    return int(round(value))
+
+
+SHAPE_FLAGS = {"layers": "num_hidden_layers", "hidden_size": "hidden_size", "heads": "num_attention_heads",
+               "kv_heads": "num_key_value_heads", "intermediate_size": "intermediate_size"}
+NEEDED = ("layers", "hidden_size", "heads", "intermediate_size")
+
+
+def parse_args(argv=None):
+    p = Parser(prog="python -m common.plan", description=__doc__.split("\n\n")[0])
+    g = p.add_argument_group("model (a preset, a shape, or only a parameter count)")
+    g.add_argument("--model-preset", type=one_of(*PRESETS), default=None,
+                   help=f"{', '.join(PRESETS)} (default: small, unless a shape or --params is given); "
+                        "shape flags override its values")
+    g.add_argument("--layers", type=positive_int, help="decoder layers")
+    g.add_argument("--hidden-size", type=positive_int, help="d_model")
+    g.add_argument("--heads", type=positive_int, help="attention (query) heads")
+    g.add_argument("--kv-heads", type=positive_int, help="key/value heads (default: the preset's; without one, --heads)")
+    g.add_argument("--intermediate-size", type=positive_int, help="the MLP's inner width")
+    g.add_argument("--vocab-size", type=positive_int, default=8192, help="vocabulary (the head's rows)")
+    g.add_argument("--params", type=number_of_params, default=None,
+                   help="only a parameter count (7e9, 7B): no activations, no padding")
+    g = p.add_argument_group("batch and cluster")
+    g.add_argument("--seq-length", type=positive_int, default=2048, help="tokens per sample")
+    g.add_argument("--batch-size", type=positive_int, default=None, help="samples per step, per rank (default: 1)")
+    g.add_argument("--global-batch-size", type=positive_int, default=None,
+                   help="samples per step over all ranks (instead of --batch-size)")
+    g.add_argument("--gpus-per-node", type=positive_int, default=8, help="ranks per node")
+    g.add_argument("--nodes", type=positive_int, default=1, help="nodes")
+    g = p.add_argument_group("training")
+    g.add_argument("--modes", type=comma_list(*MODES), default=",".join(MODES), help="comma list")
+    g.add_argument("--precision", type=one_of(*PRECISIONS), default="autocast",
+                   help="; ".join(f"{k}: {v.what}" for k, v in PRECISIONS.items()))
+    g.add_argument("--busbw-gbps", type=positive_float, default=100.0,
+                   help="bus bandwidth of the collectives over all ranks, GB/s (bench_collectives.py "
+                        "measures it; across nodes, the network's)")
+    g.add_argument("--disk-gbps", type=positive_float, default=2.0,
+                   help="write and read bandwidth of each node to the checkpoint's storage, GB/s")
+
+    def check(args):
+        shape = [f for f in SHAPE_FLAGS if getattr(args, f) is not None]
+        if args.params is not None and (shape or args.model_preset):
+            raise UsageError("--params stands for the whole model: give it alone, or a preset or a "
+                             "shape instead")
+        missing = [f for f in NEEDED if getattr(args, f) is None]
+        if shape and not args.model_preset and missing:
+            raise UsageError("a shape without --model-preset needs " +
+                             ", ".join("--" + f.replace("_", "-") for f in missing))
+        args.world = args.gpus_per_node * args.nodes
+        if args.global_batch_size is not None:
+            if args.batch_size is not None:
+                raise UsageError("give --batch-size (per rank) or --global-batch-size, not both")
+            if args.global_batch_size % args.world:
+                raise UsageError(f"--global-batch-size {args.global_batch_size} is not divisible by the "
+                                 f"{args.world} ranks ({args.nodes} node(s) x {args.gpus_per_node})")
+            args.batch_size = args.global_batch_size // args.world
+        args.batch_size = args.batch_size or 1
+        args.model = count_only(args.params) if args.params is not None else llama(config_of(args, shape))
+    p.checks.append(check)
+    return p.parse_args(argv)
+
+
+def config_of(args, shape_flags) -> LlamaConfig:
+    values = {SHAPE_FLAGS[f]: getattr(args, f) for f in shape_flags}
+    if "num_attention_heads" in values and "num_key_value_heads" not in values and not args.model_preset:
+        values["num_key_value_heads"] = values["num_attention_heads"]
+    try:
+        if shape_flags and not args.model_preset:
+            return LlamaConfig(vocab_size=args.vocab_size, max_position_embeddings=args.seq_length, **values)
+        return get_config(args.model_preset or "small", args.vocab_size, **values)
+    except ValueError as e:
+        raise UsageError(f"not a valid model shape: {e}") from None
+
+
+def size(n: float) -> str:
+    """Bytes for reading: 3 significant digits, decimal units (GB = 1e9 bytes)."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def count(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return str(n)
+
+
+def duration(s: float) -> str:
+    return f"{s * 1e3:,.3g} ms" if s < 1 else f"{s:,.3g} s"
+
+
+def plan(args) -> str:
+    """The plan as text: a header and three Markdown tables."""
+    model, p, world = args.model, PRECISIONS[args.precision], args.world
+    c = model.config
+    shape = ("shape unknown (--params): no activations, no padding; fsdp2 counted as zero3" if c is None else
+             f"{c.num_hidden_layers} layers, hidden {c.hidden_size}, {c.num_attention_heads} heads "
+             f"({c.num_key_value_heads} KV), MLP {c.intermediate_size}, vocab {c.vocab_size}")
+    lines = [f"model: {count(model.num_params)} parameters; {shape}",
+             f"{world} ranks ({args.nodes} x {args.gpus_per_node} GPUs); {args.batch_size} x {args.seq_length} "
+             f"tokens per rank per step",
+             f"precision {args.precision}: {p.what}", "",
+             "held per rank (the worst rank; one unit gathered: zero3 and fsdp2 hold a unit's full weights "
+             "and gradients while it computes; activations: saved for backward, without and with activation "
+             "checkpointing of every decoder layer):", ""]
+    rows = []
+    for mode in args.modes:
+        held = state_bytes(model, mode, world, p)
+        state = sum(held.values())
+        gathered = gathered_unit_bytes(model, mode, world, p)
+        if c is None:
+            acts = ("n/a", "n/a", "n/a", "n/a")
+        else:
+            a = [activation_bytes(c, args.batch_size, args.seq_length, p, ckpt) for ckpt in (False, True)]
+            acts = (*map(size, a), size(state + gathered + a[0]), size(state + gathered + a[1]))
+        rows.append((mode, size(held["params"]), size(held["grads"]), size(held["optimizer"]), size(state),
+                     size(gathered) if gathered else "", *acts))
+    lines.append(markdown_table(("mode", "params", "grads", "optimizer", "state", "one unit gathered",
+                                 "activations", "act. (ckpt)", "total", "total (ckpt)"),
+                                rows, right=range(1, 10)))
+    lines += ["", f"sent per rank per step (ring algorithms), and its time at {args.busbw_gbps:g} GB/s busbw:", ""]
+    rows = []
+    for mode in args.modes:
+        arrays = collective_bytes(model, mode, world, p)
+        sent = sum(sent_bytes(model, mode, world, p).values())
+        rows.append((mode, ", ".join(f"{k} {size(b)}" for k, b in arrays.items()), size(sent),
+                     duration(sent / (args.busbw_gbps * 1e9))))
+    lines.append(markdown_table(("mode", "collectives (array bytes per step)", "sent", "time"), rows, right=(2, 3)))
+    lines += ["", f"checkpoint: {size(checkpoint_bytes(model))} (fp32 weights and AdamW's two moments); "
+                  f"at {args.disk_gbps:g} GB/s per node:", ""]
+    rows = []
+    for mode in args.modes:
+        save, resume = checkpoint_seconds(model, mode, args.nodes, world, args.disk_gbps, args.busbw_gbps)
+        who = "rank 0, one file (chapter 04)" if mode == "ddp" else f"every rank its part (DCP), {args.nodes} node{'s' * (args.nodes > 1)}"
+        rows.append((mode, who, duration(save), duration(resume)))
+    lines.append(markdown_table(("mode", "written by", "save", "resume"), rows, right=(2, 3)))
+    notes = []
+    if "zero1" in args.modes:
+        notes.append("zero1 as chapter 05 builds it: the full gradient buffer plus the slice reduce-scatter fills")
+    if "zero2" in args.modes:
+        notes.append("zero2: the textbook stage (gradients reduce-scattered bucket by bucket); chapter 05 does "
+                     "not build it")
+    if "ddp" in args.modes and world > 1:
+        notes.append("ddp resume: rank 0 reads, then broadcasts the state at the busbw")
+    return "\n".join(lines + [""] + [f"- {n}" for n in notes])
+
+
+def main(argv=None):
+    print(plan(parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()

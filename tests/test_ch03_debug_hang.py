@@ -1,0 +1,69 @@
+"""Chapter 03's hang debugging demo, on gloo: TORCH_DISTRIBUTED_DEBUG=DETAIL names a
+mismatched collective on both ranks, and names the rank that never arrived once the
+timeout fires; SIGUSR1 makes every rank print where it is, without stopping it. (The
+plain timeout, without DETAIL, is chapter 05's test.)"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+
+from conftest import REPO, run, torchrun_cmd
+
+SCRIPT = "03-ddp/debug_hang.py"
+DETAIL = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
+
+
+def test_detail_names_the_mismatched_collective_on_both_ranks():
+    proc = run(torchrun_cmd(2, SCRIPT), env=DETAIL, check=False, timeout=120)
+    out = proc.stdout
+    assert proc.returncode != 0
+    assert "TORCH_DISTRIBUTED_DEBUG=DETAIL" in out
+    # rank 0 is in step 0's loss all-reduce (1 value), rank 1 already in step 1's
+    # gradient all-reduce (1000 values): the same call number, different shapes
+    for rank, step, mine, theirs in ((0, 0, 1, 1000), (1, 1, 1000, 1)):
+        line = next((s for s in out.splitlines() if s.startswith(f"rank {rank} failed in step {step}: ")), None)
+        assert line, out + proc.stderr
+        assert "Detected mismatch between collectives on ranks" in line
+        assert re.search(rf"Rank {rank} is running collective: CollectiveFingerPrint\(SequenceNumber=(\d+), "
+                         rf"OpType=ALLREDUCE, TensorShape=\[{mine}\]", line), line
+        assert f"but Rank {1 - rank} is running collective" in line and f"TensorShape=[{theirs}]" in line
+        assert f"Tensor shapes: {mine}vs {theirs}" in line
+
+
+def test_a_hang_shows_every_stack_and_detail_names_the_missing_rank():
+    timeout = 8
+    cmd = [str(c) for c in torchrun_cmd(2, SCRIPT, "--failure", "hang", "--timeout", timeout)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1", **DETAIL},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        for line in proc.stdout:  # up to rank 0's last step: it now waits for rank 1
+            lines.append(line)
+            if line.startswith("step 2"):
+                break
+        pids = [int(p) for p in re.findall(r"rank \d=(\d+)", "".join(lines))]
+        assert len(pids) == 2, "".join(lines)
+        time.sleep(1.5)  # rank 1 leaves its last step and sits in validate()
+        t0 = time.perf_counter()
+        for pid in pids:
+            os.kill(pid, signal.SIGUSR1)
+        out, err = proc.communicate(timeout=120)
+        waited = time.perf_counter() - t0
+    finally:
+        proc.kill()
+    assert proc.returncode != 0
+    # both ranks printed their stacks and went on: rank 0 inside the all-reduce of
+    # train_step, rank 1 in validate
+    stacks = err.split("Current thread ")[1:]
+    assert len(stacks) == 2, err
+    assert any("in all_reduce" in s and "in train_step" in s for s in stacks), err
+    assert any("in validate" in s and "in train_step" not in s for s in stacks), err
+    # then the timeout fired, and DETAIL's barrier before the collective names the rank
+    # that never came
+    assert f"rank 0 failed in step 2: [Rank 0]: Ranks 1 failed to pass monitoredBarrier in {timeout * 1000} ms" \
+        in out, out + err
+    assert waited < timeout + 30

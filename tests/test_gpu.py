@@ -1,0 +1,377 @@
+"""On one NVIDIA GPU: the chapters run as written in bf16 on CUDA, with nccl at world
+size 1 and with two ranks sharing the GPU over gloo (LLM_GUIDE_BACKEND=gloo: nccl
+refuses two ranks on one device, gloo moves CUDA tensors through host memory).
+
+    python -m pytest -q -m gpu tests/           # on a GPU machine; skipped elsewhere
+    python -m common.gpu_check --out DIR        # the same, plus the benchmark, into DIR
+
+Every test is marked `gpu` and skipped without CUDA, so on a CPU they cost nothing; the
+CPU suite pins each mechanism they rely on (the backend choice, the timer, MFU, resume).
+What they measure (peak GPU memory per chapter, MFU, the timer's agreement with wall
+time, the differences between runs) is written to $LLM_GUIDE_GPU_RESULTS/gpu_tests.json
+when that folder is set (`common.gpu_check` sets it).
+
+Tolerances. On a CPU the suite compares in fp32, bit for bit or to float rounding. On
+CUDA in bf16 autocast, a matmul's output is rounded to 8 significant bits (2**-8, about
+4e-3 relative), and two computations that add the same numbers in another order (fused
+kernels, another batch split, another GEMM kernel) round differently, so the tests allow
+2e-2 of the loss per logged step (5e-3 at step 1) and 1e-1 of the gradient norm, a
+noisier sum; each run records the difference it measured. Some CUDA kernels may also
+add with atomics in no fixed order (`torch.use_deterministic_algorithms` lists them;
+memory-efficient attention's backward is one), so two identical runs can differ in the
+last bits: resume is bit-exact on CUDA only where two uninterrupted runs are (the test
+measures both and says which).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+
+import pytest
+import torch
+
+from ch04_runs import SCRIPT as CH04, NAME, flags as ch04_flags, kill_job, start_job, step_dir, train as ch04_train
+from common.jsonfiles import write_json
+from common.peak_flops import datasheet_peak
+from conftest import TINY, python_cmd, read_json, read_jsonl, run, torchrun_cmd
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(),
+                                 reason="needs a CUDA GPU (run `python -m pytest -q -m gpu tests/` "
+                                        "on a GPU machine)")]
+
+CH01, CH02, CH03 = "01-single-gpu/train_llm.py", "02-data-parallel/train_llm.py", "03-ddp/train_llm.py"
+CH05 = "05-collectives"
+GLOO = {"LLM_GUIDE_BACKEND": "gloo"}   # two ranks on the one GPU
+# The size the throughput targets are stated for: the base preset at sequence 1024.
+BASE = ["--model-preset", "base", "--seq-length", "1024", "--batch-size", "16", "--max-steps", "60",
+        "--log-freq", "10", "--warmup-steps", "10", "--val-batches", "2"]
+TINY_STEPS = 20
+BF16_RTOL = 2e-2        # the loss, per logged step: see the module's docstring
+GRAD_NORM_RTOL = 1e-1   # the gradient norm before clipping: a sum over every gradient, noisier
+FIRST_STEP_RTOL = 5e-3  # step 1, before rounding differences feed back through AdamW
+TIMER_AGREEMENT = (0.85, 1.05)  # phase sum of CUDA events / wall time per step
+CH05_TINY = ["--model-preset", "tiny", "--seq-length", "64", "--batch-size", "4"]
+
+
+# ---------------------------------------------------------------- bookkeeping
+
+@pytest.fixture(scope="session")
+def record():
+    """record(key, value): one entry of $LLM_GUIDE_GPU_RESULTS/gpu_tests.json, written at
+    once (a later crash keeps what was measured before it)."""
+    folder = os.environ.get("LLM_GUIDE_GPU_RESULTS")
+    results = {"device_name": torch.cuda.get_device_name(0), "torch_version": torch.__version__,
+               "cuda_version": torch.version.cuda}
+
+    def put(key: str, value):
+        results[key] = value
+        if folder:
+            write_json(os.path.join(folder, "gpu_tests.json"), results)
+    return put
+
+
+def chapter_figures(summary: dict) -> dict:
+    """What a run's summary.json says about its speed and memory."""
+    keys = ("chapter", "world_size", "backend", "device_name", "dtype", "preset", "seq_length",
+            "batch_size", "tokens_per_s", "tokens_per_s_per_device", "step_wall_s", "peak_memory_mb",
+            "peak_memory_kind", "mfu", "peak_flops", "peak_source", "compiled", "compile_s",
+            "final_loss", "val_loss", "scaling_efficiency")
+    return {k: summary.get(k) for k in keys}
+
+
+def on_the_gpu(summary: dict, backend: str | None, world_size: int = 1):
+    """The run trained on CUDA in bf16, with this backend and world size, and its peak
+    memory is the CUDA allocator's."""
+    assert (summary["device"], summary["dtype"]) == ("cuda", "bf16")
+    assert (summary["backend"], summary["world_size"]) == (backend, world_size)
+    assert summary["device_name"] == torch.cuda.get_device_name(0)
+    assert summary["peak_memory_kind"] == "cuda_max_allocated" and summary["peak_memory_mb"] > 0
+
+
+def losses(run_dir) -> list[float]:
+    return [r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl")]
+
+
+def rel_diff(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def assert_trains_like(run_dir, ref_dir) -> float:
+    """Same logged steps; each step's loss within BF16_RTOL of the reference's and its
+    gradient norm within GRAD_NORM_RTOL; step 1's loss, where logged, within
+    FIRST_STEP_RTOL. Returns the largest loss difference."""
+    got, ref = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(ref_dir / "metrics.jsonl")
+    assert [r["step"] for r in got] == [r["step"] for r in ref] and got
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=BF16_RTOL)
+    assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in ref], rel=GRAD_NORM_RTOL)
+    if got[0]["step"] == 1:
+        assert got[0]["loss"] == pytest.approx(ref[0]["loss"], rel=FIRST_STEP_RTOL)
+    return rel_diff([r["loss"] for r in got], [r["loss"] for r in ref])
+
+
+def tiny(save_dir, name, batch, *extra):
+    return [*TINY, "--batch-size", batch, "--max-steps", TINY_STEPS, "--save-dir", save_dir,
+            "--experiment-name", name, *extra]
+
+
+def base(save_dir, name, *extra):
+    return [*BASE, "--save-dir", save_dir, "--experiment-name", name, *extra]
+
+
+# ---------------------------------------------------------------- chapter 01, base preset
+
+@pytest.fixture(scope="module")
+def runs_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("gpu-runs")
+
+
+@pytest.fixture(scope="module")
+def ch01_base(runs_dir):
+    """Chapter 01, eager, base preset at sequence 1024, batch 16, 60 steps."""
+    proc = run(python_cmd(CH01, *base(runs_dir, "ch01-base")), timeout=900)
+    return proc, runs_dir / "ch01-base", read_json(runs_dir / "ch01-base" / "summary.json")
+
+
+@pytest.fixture(scope="module")
+def ch01_base_compiled(runs_dir):
+    proc = run(python_cmd(CH01, *base(runs_dir, "ch01-base-compiled", "--compile")), timeout=900)
+    return proc, runs_dir / "ch01-base-compiled", read_json(runs_dir / "ch01-base-compiled" / "summary.json")
+
+
+def test_chapter_01_trains_in_bf16_on_cuda(ch01_base, record):
+    _, run_dir, summary = ch01_base
+    on_the_gpu(summary, None)
+    logged = losses(run_dir)
+    assert len(logged) == 6 and logged[-1] < logged[0] - 0.5, logged
+    assert summary["steps"] == 60
+    record("ch01_base_eager", chapter_figures(summary))
+
+
+def test_the_cuda_event_timer_agrees_with_wall_time(ch01_base, record):
+    """The phase split (CUDA events between phase boundaries, read once per window) adds
+    up to the wall time per step (host clock over whole windows, after the device
+    finished): the events cover the device's whole step, nothing twice."""
+    summary = ch01_base[2]
+    ratio = summary["step_time_s"]["total"] / summary["step_wall_s"]
+    record("timer_phase_sum_over_wall", ratio)
+    assert TIMER_AGREEMENT[0] <= ratio <= TIMER_AGREEMENT[1], summary["step_time_s"]
+    assert all(summary["step_time_s"][p] > 0 for p in ("forward", "backward", "update"))
+
+
+def test_mfu_is_against_the_datasheet_peak(ch01_base, record):
+    summary = ch01_base[2]
+    datasheet = datasheet_peak(summary["device_name"], "bf16")
+    if datasheet is not None:  # a known GPU: its dense bf16 datasheet figure
+        assert (summary["peak_flops"], summary["peak_source"]) == (datasheet, "datasheet")
+    assert summary["peak_precision"] == "bf16"
+    assert summary["mfu"] == pytest.approx(summary["model_flops_per_s"] / summary["peak_flops"])
+    assert summary["model_flops_per_s"] == pytest.approx(summary["tokens_per_s"] * summary["flops_per_token"])
+    assert 0 < summary["mfu"] < 1
+    record("ch01_base_eager_mfu", summary["mfu"])
+
+
+def test_compiled_trains_what_eager_trains_on_cuda(ch01_base, ch01_base_compiled, record):
+    """--compile on CUDA (inductor's fused kernels, bf16): the eager run's losses within
+    BF16_RTOL at every logged step (gradient norms within GRAD_NORM_RTOL)."""
+    proc, run_dir, summary = ch01_base_compiled
+    on_the_gpu(summary, None)
+    assert summary["compiled"] and summary["compile_s"] > 0 and "| torch.compile" in proc.stdout
+    diff = assert_trains_like(run_dir, ch01_base[1])
+    record("ch01_base_compiled", {**chapter_figures(summary), "loss_rel_diff_vs_eager": diff})
+
+
+# ---------------------------------------------------------------- chapters 01-04, tiny
+
+@pytest.fixture(scope="module")
+def ch01_tiny(runs_dir):
+    """Chapter 01 with batch 8 on the GPU: the reference of chapters 02 and 03."""
+    run(python_cmd(CH01, *tiny(runs_dir, "ch01-tiny", 8)), timeout=300)
+    return runs_dir / "ch01-tiny"
+
+
+def test_chapter_02_on_one_gpu_trains_the_plain_module(runs_dir, ch01_tiny, record):
+    """One GPU: DataParallel has nothing to split over, so chapter 02 trains the plain
+    module on it, says so, and trains what chapter 01 trains."""
+    proc = run(python_cmd(CH02, *tiny(runs_dir, "ch02-tiny", 8)), timeout=300)
+    summary = read_json(runs_dir / "ch02-tiny" / "summary.json")
+    assert summary["device"] == "cuda" and summary["dtype"] == "bf16"
+    if torch.cuda.device_count() == 1:
+        assert "DataParallel needs 2+ GPUs, found 1" in proc.stdout + proc.stderr
+    diff = assert_trains_like(runs_dir / "ch02-tiny", ch01_tiny)
+    record("ch02_tiny", {**chapter_figures(summary), "loss_rel_diff_vs_ch01": diff})
+
+
+def test_chapter_03_at_world_size_1_on_nccl(runs_dir, ch01_base, record):
+    """torchrun with one process: nccl, the same training as chapter 01 (DDP over one rank
+    changes no number), and its tokens/s beside chapter 01's (the scaling efficiency)."""
+    proc = run(torchrun_cmd(1, CH03, *base(runs_dir, "ch03-base-nccl", "--baseline",
+                                           ch01_base[1] / "summary.json")), timeout=900)
+    summary = read_json(runs_dir / "ch03-base-nccl" / "summary.json")
+    on_the_gpu(summary, "nccl")
+    assert "backend nccl" in proc.stdout
+    diff = assert_trains_like(runs_dir / "ch03-base-nccl", ch01_base[1])
+    assert summary["scaling_efficiency"] == pytest.approx(
+        summary["tokens_per_s_per_device"] / ch01_base[2]["tokens_per_s"])
+    record("ch03_base_nccl_1", {**chapter_figures(summary), "loss_rel_diff_vs_ch01": diff})
+
+
+def test_chapter_03_two_ranks_sharing_the_gpu_equal_chapter_01_with_twice_the_batch(runs_dir, ch01_tiny, record):
+    run(torchrun_cmd(2, CH03, *tiny(runs_dir, "ch03-gloo-2x4", 4)), env=GLOO, timeout=300)
+    summary = read_json(runs_dir / "ch03-gloo-2x4" / "summary.json")
+    on_the_gpu(summary, "gloo", world_size=2)
+    assert summary["global_batch_size"] == 8
+    diff = assert_trains_like(runs_dir / "ch03-gloo-2x4", ch01_tiny)
+    record("ch03_tiny_gloo_2", {**chapter_figures(summary), "loss_rel_diff_vs_ch01": diff})
+
+
+def test_nccl_with_two_ranks_on_one_gpu_is_refused_with_one_line(runs_dir):
+    if torch.cuda.device_count() != 1:
+        pytest.skip("needs exactly one visible GPU")
+    proc = run(torchrun_cmd(2, CH03, *tiny(runs_dir, "refused", 4)), check=False, timeout=120)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert errors and "2 processes on this machine but 1 GPU(s)" in errors[0], proc.stderr[-2000:]
+    assert not (runs_dir / "refused").exists()
+
+
+def test_chapter_04_at_world_size_1_on_nccl_saves_and_resumes(tmp_path, record):
+    """One process on nccl: checkpoints saved; a rerun of the finished run resumes from
+    its last checkpoint and has nothing left to train."""
+    cmd = torchrun_cmd(1, CH04, *ch04_flags(tmp_path))
+    run(cmd, timeout=300)
+    summary = read_json(tmp_path / NAME / "summary.json")
+    on_the_gpu(summary, "nccl")
+    assert summary["checkpoint"]["count"] >= 1
+    assert (tmp_path / NAME / "checkpoints" / "latest").read_text() == step_dir(20)
+    again = run(cmd, timeout=300)
+    assert "this run already finished (step 20 of 20); nothing to do" in again.stdout
+    record("ch04_tiny_nccl_1", chapter_figures(summary))
+
+
+@pytest.fixture(scope="module")
+def ch04_gloo(tmp_path_factory):
+    """Chapter 04 on two ranks sharing the GPU over gloo, uninterrupted, twice: the two
+    runs say whether this GPU computes this model deterministically."""
+    dirs = [tmp_path_factory.mktemp(f"ch04-gloo-{i}") for i in range(2)]
+    for d in dirs:
+        ch04_train(d, env=GLOO)
+    return [d / NAME for d in dirs]
+
+
+def identical(run_a, run_b) -> bool:
+    a = torch.load(run_a / "model.pt", weights_only=True)
+    b = torch.load(run_b / "model.pt", weights_only=True)
+    return losses(run_a) == losses(run_b) and all(torch.equal(a[k], b[k]) for k in b)
+
+
+def test_chapter_04_sigterm_saves_and_the_rerun_continues(tmp_path, ch04_gloo, record):
+    """SIGTERM to torchrun (two ranks on the GPU, gloo): one line, a checkpoint, and the
+    same command continues. Bit for bit where two uninterrupted runs are identical on
+    this GPU; else within BF16_RTOL, and the record says how far."""
+    reference = ch04_gloo[0]
+    summary = read_json(reference / "summary.json")
+    on_the_gpu(summary, "gloo", world_size=2)
+    cmd = [str(c) for c in torchrun_cmd(2, CH04, *ch04_flags(tmp_path, "--ckpt-freq", 100))]
+    metrics = tmp_path / NAME / "metrics.jsonl"
+    with open(tmp_path / "job.log", "w") as log:
+        job = start_job(cmd, log, env=GLOO,
+                        until=lambda: metrics.exists() and metrics.read_text().count("\n") >= 5)
+        os.killpg(job.pid, signal.SIGTERM)
+        try:
+            job.wait(timeout=120)
+        finally:
+            kill_job(job.pid)
+    out = (tmp_path / "job.log").read_text()
+    [line] = [x for x in out.splitlines() if x.startswith("interrupted at step")]
+    step = int(line.split()[3])
+    assert (tmp_path / NAME / "checkpoints" / "latest").read_text() == step_dir(step)
+    proc = run(cmd, env=GLOO, timeout=300)
+    assert f"step {step}" in proc.stdout
+    deterministic = identical(*ch04_gloo)
+    resumed = tmp_path / NAME
+    assert [r["step"] for r in read_jsonl(resumed / "metrics.jsonl")] == list(range(1, 21))
+    if deterministic:
+        assert identical(resumed, reference)
+    else:
+        assert_trains_like(resumed, reference)
+    record("ch04_tiny_gloo_2", {**chapter_figures(summary), "interrupted_at_step": step,
+                                "uninterrupted_runs_identical": deterministic,
+                                "resumed_identical": identical(resumed, reference),
+                                "resumed_loss_rel_diff": rel_diff(losses(resumed), losses(reference)),
+                                "run_to_run_loss_rel_diff": rel_diff(*map(losses, ch04_gloo))})
+
+
+# ---------------------------------------------------------------- chapter 05
+
+def test_chapter_05_at_world_size_1_on_nccl(tmp_path, record):
+    """One process on nccl: the sharded checkpoint (FSDP2 + DCP) trains, saves and loads
+    on the GPU; the scripts that compare ranks refuse one process with one line."""
+    proc = run(torchrun_cmd(1, f"{CH05}/sharded_checkpoint.py", *CH05_TINY, "--steps", "2",
+                            "--save-dir", tmp_path, "--experiment-name", "dcp1"), timeout=300)
+    assert "1 ranks, nccl;" in proc.stdout
+    assert (tmp_path / "dcp1" / "latest").read_text() == "step-00000002"
+    for script in ("collectives_demo.py", "bench_collectives.py", "ddp_from_scratch.py",
+                   "sharded_from_scratch.py"):
+        refused = run(torchrun_cmd(1, f"{CH05}/{script}"), check=False, timeout=120)
+        assert refused.returncode != 0 and "this needs at least 2 processes" in refused.stderr, script
+    record("ch05_dcp_nccl_1", "ok")
+
+
+@pytest.fixture(scope="module")
+def ch05_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("ch05-gloo")
+
+
+def test_chapter_05_collectives_on_two_ranks_sharing_the_gpu(record):
+    proc = run(torchrun_cmd(2, f"{CH05}/collectives_demo.py"), env=GLOO, timeout=300)
+    assert "backend gloo, device cuda" in proc.stdout and "WRONG" not in proc.stdout
+    assert "all 9 collective(s) gave the expected result on all 2 ranks" in proc.stdout
+    record("ch05_collectives_gloo_2", "ok")
+
+
+def test_chapter_05_busbw_benchmark_on_two_ranks_sharing_the_gpu(ch05_dir, record):
+    run(torchrun_cmd(2, f"{CH05}/bench_collectives.py", "--min-bytes", "1024", "--max-bytes", 2**24,
+                     "--save-dir", ch05_dir, "--experiment-name", "bench"), env=GLOO, timeout=300)
+    result = read_json(ch05_dir / "bench" / "bench_collectives.json")
+    assert result["backend"] == "gloo" and result["world_size"] == 2
+    assert result["device_name"] == torch.cuda.get_device_name(0)
+    assert all(r["busbw_gbps"] > 0 for r in result["rows"])
+    record("ch05_bench_gloo_2", {op: max(r["busbw_gbps"] for r in result["rows"] if r["op"] == op)
+                                 for op in {r["op"] for r in result["rows"]}})
+
+
+def test_chapter_05_ddp_from_scratch_on_two_ranks_sharing_the_gpu(ch05_dir, record):
+    run(torchrun_cmd(2, f"{CH05}/ddp_from_scratch.py", *CH05_TINY, "--steps", "2",
+                     "--modes", "naive,bucketed,overlap,ddp", "--bucket-mb", "1",
+                     "--save-dir", ch05_dir, "--experiment-name", "scratch"), env=GLOO, timeout=300)
+    result = read_json(ch05_dir / "scratch" / "ddp_from_scratch.json")
+    assert result["passed"] and result["failures"] == [], result["failures"]
+    assert result["backend"] == "gloo" and result["world_size"] == 2
+    record("ch05_ddp_from_scratch_gloo_2", {m: r["tokens_per_s"] for m, r in result["modes"].items()})
+
+
+def test_chapter_05_sharded_from_scratch_every_mode_on_two_ranks_sharing_the_gpu(ch05_dir, record):
+    run(torchrun_cmd(2, f"{CH05}/sharded_from_scratch.py", *CH05_TINY, "--steps", "2",
+                     "--timing-warmup", "1", "--save-dir", ch05_dir, "--experiment-name", "sharded"),
+        env=GLOO, timeout=300)
+    result = read_json(ch05_dir / "sharded" / "sharded_from_scratch.json")
+    assert result["passed"] and result["world_size"] == 2
+    assert list(result["modes"]) == ["ddp", "zero1", "zero3", "fsdp2"]
+    record("ch05_sharded_gloo_2", {m: {"tokens_per_s": r["tokens_per_s"], "peak_step_bytes": r["bytes"]["peak_step"]}
+                                   for m, r in result["modes"].items()})
+
+
+def test_chapter_05_sharded_checkpoint_saved_on_two_gloo_ranks_loads_on_one_nccl_rank(ch05_dir, record):
+    run(torchrun_cmd(2, f"{CH05}/sharded_checkpoint.py", *CH05_TINY, "--steps", "2",
+                     "--save-dir", ch05_dir, "--experiment-name", "dcp2"), env=GLOO, timeout=300)
+    proc = run(torchrun_cmd(1, f"{CH05}/sharded_checkpoint.py", *CH05_TINY, "--steps", "2",
+                            "--save-dir", ch05_dir, "--experiment-name", "dcp2-on1",
+                            "--load", ch05_dir / "dcp2"), timeout=300)
+    out = proc.stdout
+    assert "OK: loaded a checkpoint written by 2 ranks" in out, out[-3000:]
+    assert re.search(r"every parameter and AdamW moment equals the saved state", out), out[-3000:]
+    record("ch05_dcp_gloo_2_to_nccl_1", "ok")
+

@@ -1,0 +1,70 @@
+"""The GPU runner's logic, on a CPU: the steps it plans (install only what cannot be
+imported, from the wheels brought along, offline; the GPU suite with its JUnit XML; the
+bf16 benchmark), its refusals, how it runs a step and logs it, and how it reads the
+targets from the results. (The GPU steps themselves run only on a GPU machine.)"""
+
+from __future__ import annotations
+
+import sys
+
+from common import gpu_check
+from conftest import refused
+
+
+def test_dry_run_lists_the_steps_and_creates_nothing(tmp_path, capsys):
+    out = tmp_path / "results"
+    assert gpu_check.main(["--out", str(out), "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    assert not out.exists()
+    lines = [line for line in text.splitlines() if line.startswith("== ")]
+    assert [line.split(":")[0] for line in lines] == ["== gpu tests", "== bench_model"]  # all importable here
+    assert "-m pytest -q -m gpu tests/ --junitxml=" + str(out / "gpu_tests.xml") in lines[0]
+    assert ("-m common.bench_model --presets small base medium --seq-length 1024" in lines[1]
+            and "--json " + str(out / "bench_model.json") in lines[1])
+    assert "datasets, pytest already importable" in text
+
+
+def test_only_what_cannot_be_imported_is_installed_offline(tmp_path):
+    assert gpu_check.missing_modules(("json", "no_such_module_here")) == ["no_such_module_here"]
+    steps = gpu_check.plan(tmp_path, ["datasets"], wheels=tmp_path / "w", tests=False)
+    assert [s.name for s in steps] == ["install", "bench_model"]
+    assert steps[0].argv[1:] == ["-m", "pip", "install", "--no-index", "--find-links", str(tmp_path / "w"),
+                                 "datasets"]
+    gpu_tests = gpu_check.plan(tmp_path, [], bench=False)[0]
+    assert gpu_tests.env == {"LLM_GUIDE_GPU_RESULTS": str(tmp_path)}  # where the tests record
+    [some] = gpu_check.plan(tmp_path, [], bench=False, select="ch05")
+    assert some.argv[-2:] == ["-k", "ch05"] and "-k" not in gpu_tests.argv
+
+
+def test_refusals_are_one_line_before_anything_is_made(tmp_path, capsys):
+    line = refused(capsys, gpu_check.parse_args, ["--out", tmp_path / "new"])  # no GPU here
+    assert "no CUDA GPU here" in line and not (tmp_path / "new").exists()
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "keep.txt").write_text("mine")
+    line = refused(capsys, gpu_check.parse_args, ["--out", tmp_path / "used", "--dry-run"])
+    assert "is not an empty folder" in line
+    assert "--out is required" in refused(capsys, gpu_check.parse_args, [])
+
+
+def test_a_step_runs_from_the_repo_with_its_log_and_status(tmp_path, capsys):
+    ok = gpu_check.run_step(gpu_check.Step("hello", [sys.executable, "-c", "import os; print(os.getcwd())"],
+                                           "hello.log"), tmp_path)
+    bad = gpu_check.run_step(gpu_check.Step("bad", [sys.executable, "-c", "raise SystemExit(3)"], "bad.log"),
+                             tmp_path)
+    assert ok["status"] == 0 and (tmp_path / "hello.log").read_text().strip() == str(gpu_check.REPO)
+    assert bad["status"] == 3 and "FAILED (3)" in capsys.readouterr().out
+
+
+def test_targets_are_read_from_the_results():
+    results = {"gpu_tests": {"ch01_base_compiled": {"mfu": 0.43}, "ch01_base_eager": {"mfu": 0.21}}}
+    got = {t["target"].split(": ")[0]: (t["value"], t["met"]) for t in gpu_check.targets(results)}
+    assert got == {"chapter 01, base, seq 1024, compiled": (0.43, True),
+                   "chapter 01, base, seq 1024, eager": (0.21, False),
+                   "chapter 03 at world size 1 on nccl": (None, None)}  # not measured
+
+
+def test_the_environment_says_what_ran_where():
+    env = gpu_check.environment()
+    assert env["torch"] == gpu_check.torch.__version__ and env["python"] == sys.version.split()[0]
+    assert env["date_utc"][:2] == "20" and env["cuda_devices"] == []  # no GPU here
+    assert env["commit"] is None or len(env["commit"]) == 40

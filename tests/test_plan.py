@@ -1,0 +1,187 @@
+"""`python -m common.plan`: its model is common.model's, parameter for parameter; its
+activation estimate is what autograd saves (counted with saved-tensor hooks, in fp32,
+bf16 autocast and bf16, with and without activation checkpointing); its checkpoint size
+is the training state's bytes; its traffic follows the ring's textbook volumes; bad
+input exits 2 with one line; the chapter 05 README's table is its output. What it says
+each chapter 05 mode holds and sends per rank is held against measured runs in
+tests/test_ch05_sharded.py (`assert_the_plan_matches`)."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from conftest import REPO
+from common import plan, sharding
+from common.model import LlamaForCausalLM, get_config, num_parameters
+from common.training import build_optimizer
+
+FP32, AUTOCAST, BF16 = (plan.PRECISIONS[k] for k in ("fp32", "autocast", "bf16"))
+
+
+@pytest.mark.parametrize("preset, vocab", [("tiny", 300), ("small", 8192)])
+def test_the_plans_model_is_common_model(preset, vocab):
+    config = get_config(preset, vocab)
+    model = LlamaForCausalLM(config)
+    m = plan.llama(config)
+    units = [model.embed_tokens, *model.layers, model.norm, model.lm_head]
+    assert m.units == [[tuple(p.shape) for p in u.parameters()] for u in units]
+    assert m.num_params == num_parameters(model) and m.num_tensors == len(list(model.parameters()))
+
+
+def test_state_and_traffic_formulas():
+    config = get_config("small", 8192)
+    m, n = plan.llama(config), plan.llama(config).num_params
+    ddp = plan.state_bytes(m, "ddp", 4, FP32)
+    assert (ddp["params"], ddp["grads"]) == (4 * n, 4 * n)
+    assert ddp["optimizer"] == 8 * n + 4 * m.num_tensors  # both moments, one step counter per tensor
+    s = -(-n // 4)
+    assert plan.state_bytes(m, "zero1", 4, FP32)["grads"] == 4 * (4 * s + s)  # full buffer + its slice
+    assert plan.state_bytes(m, "zero2", 4, FP32)["grads"] == 4 * s
+    for mode in ("zero1", "zero2", "zero3", "fsdp2"):  # 1/N of the optimizer state, up to padding
+        assert plan.state_bytes(m, mode, 4, FP32)["optimizer"] == pytest.approx(8 * n / 4, rel=1e-3), mode
+    for mode in ("zero3", "fsdp2"):
+        held = plan.state_bytes(m, mode, 4, FP32)
+        assert held["params"] == held["grads"] == pytest.approx(n, rel=1e-3), mode
+    # while a unit computes: zero3's largest module (the embedding, the head), fsdp2's root
+    # unit (both, and the final norm)
+    assert plan.gathered_unit_bytes(m, "ddp", 4, FP32) == 0
+    assert plan.gathered_unit_bytes(m, "zero3", 4, FP32) == 8 * 8192 * 256
+    assert plan.gathered_unit_bytes(m, "fsdp2", 4, FP32) == 8 * (2 * 8192 * 256 + 256)
+    # the ZeRO paper's mixed precision: 2 + 2 + 12 per parameter, the same 16 in all
+    assert sum(plan.state_bytes(m, "ddp", 4, BF16).values()) == sum(ddp.values())
+    assert plan.state_bytes(m, "zero1", 4, BF16)["optimizer"] == pytest.approx(12 * n / 4, rel=1e-3)
+    # traffic: the ring's 2(N-1)/N and 3(N-1)/N, less for fsdp2 (its root is gathered once)
+    for world in (2, 3, 8, 64):
+        sent = {mode: sum(plan.sent_bytes(m, mode, world, FP32).values()) for mode in plan.MODES}
+        for mode in ("ddp", "zero1", "zero2", "zero3"):
+            assert sent[mode] == pytest.approx(sharding.textbook_sent_bytes(mode, 4 * n, world), rel=1e-3)
+        assert sent["ddp"] < sent["fsdp2"] < sent["zero3"]
+        assert sum(plan.sent_bytes(m, "zero3", world, BF16).values()) == pytest.approx(sent["zero3"] / 2)
+    assert plan.sent_bytes(m, "ddp", 1, FP32) == {"all_reduce": 0.0}
+    # a parameter count alone: no padding; fsdp2 as zero3
+    alone = plan.count_only(7_000_000_000)
+    assert sum(plan.state_bytes(alone, "ddp", 8, FP32).values()) == 16 * 7_000_000_000 + 4
+    assert plan.state_bytes(alone, "fsdp2", 8, FP32)["params"] == 4 * 7_000_000_000 / 8
+    assert plan.sent_bytes(alone, "fsdp2", 8, FP32) == plan.sent_bytes(alone, "zero3", 8, FP32)
+    # the checkpoint: rank 0 alone (ddp), or every node at once (sharded)
+    ckpt = plan.checkpoint_bytes(m)
+    assert plan.checkpoint_seconds(m, "ddp", 2, 16, 2.0, 100.0) == (ckpt / 2e9, ckpt / 2e9 + ckpt / 100e9)
+    assert plan.checkpoint_seconds(m, "fsdp2", 2, 16, 2.0, 100.0) == (ckpt / 4e9, ckpt / 4e9)
+
+
+def test_checkpoint_bytes_are_the_training_state():
+    """What chapter 04 saves of the model and AdamW (tensor bytes, not the file's
+    pickling) is what the plan counts."""
+    torch.manual_seed(0)
+    config = get_config("tiny", 300)
+    model = LlamaForCausalLM(config)
+    optimizer = build_optimizer(model, 1e-3, 0.1, torch.device("cpu"))
+    x = torch.randint(0, 300, (2, 16))
+    F.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+    optimizer.step()
+    tensors = [*model.state_dict().values(),
+               *(t for s in optimizer.state_dict()["state"].values() for t in s.values())]
+    assert sum(t.numel() * t.element_size() for t in tensors) == plan.checkpoint_bytes(plan.llama(config))
+
+
+# ------------------------------------------------------------------ the activations
+
+def saved_bytes(model, x, y, precision: str, checkpointing: bool) -> int:
+    """Bytes autograd saves for backward in one forward and loss of `model`, each storage
+    once, leaving out the parameters and buffers themselves. With checkpointing each
+    decoder layer runs under torch.utils.checkpoint (non-reentrant): what it saves for
+    the recomputation goes through these hooks, what it recomputes later does not."""
+    own = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    seen = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in own:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "autocast"):
+        h = model.embed_tokens(x)
+        cos, sin = model.rotary(x.shape[1])
+        for layer in model.layers:
+            h = checkpoint(layer, h, cos, sin, use_reentrant=False) if checkpointing else layer(h, cos, sin)
+        logits = model.lm_head(model.norm(h))
+        F.cross_entropy(logits.float().flatten(0, 1), y.flatten())  # the loss in fp32
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("precision", ["fp32", "autocast", "bf16"])
+def test_the_activation_estimate_is_what_autograd_saves(precision):
+    torch.manual_seed(0)
+    config = get_config("tiny", 300)
+    model = LlamaForCausalLM(config).to(torch.bfloat16 if precision == "bf16" else torch.float32)
+    batch, seq = 2, 32
+    x, y = torch.randint(0, 300, (2, batch, seq))
+    p = plan.PRECISIONS[precision]
+    full = saved_bytes(model, x, y, precision, checkpointing=False)
+    # within the 4 bytes of the loss's total weight (a scalar the estimate leaves out)
+    assert 0 <= full - plan.activation_bytes(config, batch, seq, p, checkpointing=False) <= 4
+    kept = saved_bytes(model, x, y, precision, checkpointing=True)  # each layer's input only
+    recomputed = plan.layer_activation_bytes(config, batch * seq, seq, p)  # one layer, in backward
+    assert 0 <= kept - (plan.activation_bytes(config, batch, seq, p, checkpointing=True) - recomputed) <= 4
+    assert kept < full / 3
+
+
+# ------------------------------------------------------------------ the command line
+
+def run_plan(argv, capsys) -> str:
+    plan.main(argv)
+    return capsys.readouterr().out
+
+
+def test_the_command_prints_the_three_tables(capsys):
+    out = run_plan(["--model-preset", "tiny", "--vocab-size", "300", "--gpus-per-node", "2",
+                    "--nodes", "2", "--global-batch-size", "8", "--seq-length", "64"], capsys)
+    assert "4 ranks (2 x 2 GPUs); 2 x 64 tokens per rank" in out  # 8 samples over 4 ranks
+    for mode in plan.MODES:
+        assert len(re.findall(rf"^\| {mode} ", out, flags=re.M)) == 3, mode
+    assert "time at 100 GB/s busbw" in out and "at 2 GB/s per node" in out
+    out = run_plan(["--params", "7B", "--modes", "ddp,fsdp2"], capsys)
+    assert out.startswith("model: 7 B parameters; shape unknown") and " n/a |" in out and "zero1" not in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--params", "0"], "argument --params: must be a whole number of parameters >= 1"),
+    (["--params=-7e9"], "argument --params: must be a parameter count"),
+    (["--nodes", "0"], "argument --nodes: must be a whole number >= 1"),
+    (["--busbw-gbps", "-1"], "argument --busbw-gbps: must be a finite number > 0"),
+    (["--modes", "ddp,zero4"], "unknown zero4"),
+    (["--precision", "fp8"], "unknown 'fp8'"),
+    (["--model-preset", "huge"], "unknown 'huge'"),
+    (["--gpus-per-node", "8", "--nodes", "3", "--global-batch-size", "36"], "not divisible by the 24 ranks"),
+    (["--batch-size", "2", "--global-batch-size", "16"], "not both"),
+    (["--params", "7e9", "--model-preset", "large"], "--params stands for the whole model"),
+    (["--layers", "32", "--hidden-size", "4096"], "needs --heads, --intermediate-size"),
+    (["--model-preset", "tiny", "--heads", "5"], "not a valid model shape"),
+])
+def test_bad_input_exits_2_with_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        plan.main(argv)
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert stop.value.code == 2 and out == "", err
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err
+
+
+def test_the_chapter_05_readme_shows_the_commands_output(capsys, monkeypatch):
+    """Each `python -m common.plan` command in the README is followed by its output, as
+    the current code prints it."""
+    text = (REPO / "05-collectives" / "README.md").read_text()
+    shown = re.findall(r"^```bash\n(python -m common\.plan [^\n]*)\n```\n\n```text\n(.*?)^```", text,
+                       flags=re.S | re.M)
+    assert shown, "the chapter 05 README shows no plan"
+    for command, output in shown:
+        monkeypatch.setattr(sys, "argv", ["python -m common.plan"])
+        assert run_plan(command.split()[3:], capsys) == output, command
