@@ -9,8 +9,9 @@ Corpora (`--dataset-name`):
                     text column), e.g. roneneldan/TinyStories.
 
 The tokenizer is a byte-level BPE trained with `tokenizers` on the corpus and cached as
-JSON; the tokenized corpus is cached with `save_to_disk`. Both are keyed by the corpus's
-identity, so the second run of any chapter starts in seconds.
+JSON; the tokenized splits are cached as flat token files with document offsets
+(`token_files`), memory-mapped by every rank. Both are keyed by the corpus's identity,
+so the second run of any chapter starts in seconds and never reads the text.
 
 Everything raises `DataError` with a one-line message; `local_rank0_first` turns it into
 exit status 2.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import itertools
+import json
 import os
 import shutil
 import socket
@@ -37,6 +39,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from .distributed import first_error, patient_group
+from .durable import fsync_dir, fsync_write
 from .errors import fail
 
 PAD, BOT, EOT = "[PAD]", "[BOT]", "[EOT]"
@@ -72,8 +75,9 @@ def default_cache_dir() -> Path:
 
 class Corpus:
     """A corpus's name, its identity (changes whenever the text could have changed: the
-    caches' key), and its text as a datasets.Dataset with a "text" column, built on first
-    use: once the tokenizer and the tokenized corpus are cached, a run never reads it."""
+    caches' key), and its text as a datasets.Dataset with a "text" column, loaded and
+    checked on first use: once the tokenizer and the token files are cached, a run never
+    reads it."""
 
     def __init__(self, name: str, identity: str, dataset=None, load=None):
         self.name, self.identity, self._dataset, self._load = name, identity, dataset, load
@@ -83,10 +87,6 @@ class Corpus:
         if self._dataset is None:
             self._dataset = self._load()
         return self._dataset
-
-    @dataset.setter
-    def dataset(self, value):
-        self._dataset = value
 
 
 def stdlib_files() -> list[Path]:
@@ -141,24 +141,34 @@ def local_files(name: str) -> list[str]:
 
 
 def _local_corpus(name: str, text_column: str) -> Corpus:
-    import datasets
-
     files = local_files(name)
     h = hashlib.sha256()
     for f in files:
         st = os.stat(f)
         h.update(f"{os.path.abspath(f)}:{st.st_size}:{st.st_mtime_ns}\n".encode())
-    if files[0].endswith(".jsonl"):
+    return Corpus(name, f"local-{h.hexdigest()[:16]}",
+                  load=lambda: _checked(name, _read_local(name, files, text_column), text_column))
+
+
+def _read_local(name: str, files: list[str], text_column: str):
+    import datasets
+
+    try:
+        if not files[0].endswith(".jsonl"):
+            # one document per file, like the stdlib corpus
+            return datasets.load_dataset("text", data_files=files, split="train",
+                                         sample_by="document")
         ds = datasets.load_dataset("json", data_files=files, split="train")
-        if text_column not in ds.column_names:
-            raise DataError(f"{name!r} has no column {text_column!r} (columns: "
-                            f"{', '.join(ds.column_names)}); pass --text-column")
-        ds = ds.select_columns([text_column]).rename_column(text_column, "text") \
-            if text_column != "text" else ds.select_columns(["text"])
-    else:
-        # one document per file, like the stdlib corpus
-        ds = datasets.load_dataset("text", data_files=files, split="train", sample_by="document")
-    return Corpus(name, f"local-{h.hexdigest()[:16]}", ds)
+    except Exception as e:  # datasets' builders: not text, not JSON lines, ...
+        cause = e.__cause__ or e
+        first = str(cause).strip().splitlines()[0][:160] if str(cause).strip() else ""
+        raise DataError(f"could not read {name!r} as text or JSON lines "
+                        f"({type(cause).__name__}: {first})") from None
+    if text_column not in ds.column_names:
+        raise DataError(f"{name!r} has no column {text_column!r} (columns: "
+                        f"{', '.join(ds.column_names)}); pass --text-column")
+    return ds.select_columns([text_column]).rename_column(text_column, "text") \
+        if text_column != "text" else ds.select_columns(["text"])
 
 
 def hub_reachable(timeout: float = 5.0) -> bool:
@@ -192,7 +202,8 @@ def _hub_corpus(name: str, subset: str | None, text_column: str) -> Corpus:
     ds = ds.select_columns([text_column])
     if text_column != "text":
         ds = ds.rename_column(text_column, "text")
-    return Corpus(name, f"hub-{name}-{subset}-{ds._fingerprint}", ds)
+    return Corpus(name, f"hub-{name}-{subset}-{ds._fingerprint}",
+                  load=lambda: _checked(name, ds, text_column))
 
 
 def check_dataset_name(name: str) -> None:
@@ -203,32 +214,35 @@ def check_dataset_name(name: str) -> None:
         local_files(name)
 
 
-def load_corpus(name: str, subset: str | None = None, text_column: str = "text") -> Corpus:
+def open_corpus(name: str, subset: str | None = None, text_column: str = "text") -> Corpus:
+    """The corpus's identity at once; its text (read, checked, blank documents dropped)
+    on first use of `.dataset`."""
     check_dataset_name(name)
     if name == "stdlib":
         return _stdlib_corpus()  # text files of Python's own: read only when needed
     if looks_local(name):
-        try:
-            corpus = _local_corpus(name, text_column)
-        except DataError:
-            raise
-        except Exception as e:  # datasets' builders: not text, not JSON lines, ...
-            cause = e.__cause__ or e
-            first = str(cause).strip().splitlines()[0][:160] if str(cause).strip() else ""
-            raise DataError(f"could not read {name!r} as text or JSON lines "
-                            f"({type(cause).__name__}: {first})") from None
-    else:
-        corpus = _hub_corpus(name, subset, text_column)
-    bad = next((t for t in corpus.dataset[:1000]["text"] if t is not None and not isinstance(t, str)), None)
+        return _local_corpus(name, text_column)
+    return _hub_corpus(name, subset, text_column)
+
+
+def load_corpus(name: str, subset: str | None = None, text_column: str = "text") -> Corpus:
+    """The corpus with its text read and checked now (DataError if it is unusable)."""
+    corpus = open_corpus(name, subset, text_column)
+    corpus.dataset  # noqa: B018 (reads and checks it)
+    return corpus
+
+
+def _checked(name: str, dataset, text_column: str):
+    """The text column checked for strings, blank documents dropped, not empty."""
+    bad = next((t for t in dataset[:1000]["text"] if t is not None and not isinstance(t, str)), None)
     if bad is not None:
         raise DataError(f"column {text_column!r} of {name!r} holds {type(bad).__name__} values "
                         f"(e.g. {bad!r}), not text; pick the text column with --text-column")
     with quiet_datasets():  # a fast filter needs no bar
-        corpus.dataset = corpus.dataset.filter(
-            lambda b: [bool(t and t.strip()) for t in b["text"]], batched=True)
-    if len(corpus.dataset) == 0:
+        dataset = dataset.filter(lambda b: [bool(t and t.strip()) for t in b["text"]], batched=True)
+    if len(dataset) == 0:
         raise DataError(f"dataset {name!r} is empty (no non-blank documents)")
-    return corpus
+    return dataset
 
 
 # ----------------------------------------------------------------------- tokenizer
@@ -292,88 +306,238 @@ def special_ids(tok) -> dict[str, int]:
     return {"pad": tok.token_to_id(PAD), "bot": tok.token_to_id(BOT), "eot": tok.token_to_id(EOT)}
 
 
-# ----------------------------------------------------------------- tokenize once
+# ------------------------------------------------------- token files, made once
 
-def tokenize_corpus(corpus: Corpus, tok, cache_dir: Path | None = None):
-    """A datasets.Dataset with one `ids` list per document (no special tokens), made
-    once with a batched `map` and reused from disk afterwards."""
+TOKEN_FORMAT = 1  # bump when the files' layout changes: old caches are then ignored
+SPLITS = ("train", "val")
+TEXT_PER_PROCESS = 32 << 20  # bytes of text that make another tokenizing process worth it
 
-    cache_dir = Path(cache_dir or default_cache_dir())
-    tok_hash = hashlib.sha256(tok.to_str().encode()).hexdigest()[:16]
-    key = hashlib.sha256(f"{corpus.identity}|{tok_hash}".encode()).hexdigest()[:16]
-    path = cache_dir / f"tokenized-{key}"
-    if (path / "dataset_info.json").exists():
-        return _load_cached(path)
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """2 bytes a token where every id fits (vocabularies up to 65,536), else 4."""
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+
+
+def tokenize_corpus(corpus: Corpus, tok, scratch: Path | None = None, num_proc: int | None = None):
+    """A datasets.Dataset with one `ids` list per document (no special tokens), made with
+    a batched `map` and a progress bar. A corpus read from files is tokenized by up to
+    `num_proc` processes (default: every core; one per TEXT_PER_PROCESS), writing into
+    `scratch`; the small in-memory stdlib corpus in this process (tokenizers' own threads)."""
+    ds = corpus.dataset
 
     def encode(batch):
         return {"ids": [e.ids for e in tok.encode_batch(batch["text"], add_special_tokens=False)]}
 
-    ds = corpus.dataset.map(encode, batched=True, batch_size=256,
-                            remove_columns=corpus.dataset.column_names,
-                            desc=f"tokenizing {corpus.name}")
-    # Write beside the final place and rename: a killed run leaves no half cache.
-    tmp = cache_dir / f".tmp-{key}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    ds.save_to_disk(str(tmp))
+    on_disk = bool(ds.cache_files) and scratch is not None
+    # a process per TEXT_PER_PROCESS of text, up to one per core: a small corpus is not
+    # worth the forks
+    procs = min(num_proc or os.cpu_count() or 1, len(ds), 1 + ds.data.nbytes // TEXT_PER_PROCESS)
+    procs = procs if on_disk and procs > 1 else None
+    parallelism = os.environ.get("TOKENIZERS_PARALLELISM")
+    if procs:  # one process a core: tokenizers' threads would only compete (and warn at fork)
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:
-        os.replace(tmp, path)
-    except OSError:  # another process finished first
+        return ds.map(encode, batched=True, batch_size=256, remove_columns=ds.column_names,
+                      num_proc=procs, desc=f"tokenizing {corpus.name}",
+                      cache_file_name=str(Path(scratch) / "ids.arrow") if on_disk else None)
+    finally:
+        if procs and parallelism is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM")
+        elif procs:
+            os.environ["TOKENIZERS_PARALLELISM"] = parallelism
+
+
+def split_mask(n: int, val_fraction: float = 0.05, split_seed: int = 0) -> np.ndarray:
+    """Which documents are validation documents: a fixed share chosen by split_seed (not
+    the training seed), so every run and every chapter validates on the same ones. The
+    documents keep their corpus order inside each split."""
+    is_val = np.zeros(n, dtype=bool)
+    if n >= 2:
+        n_val = min(n - 1, max(1, round(n * val_fraction)))
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(split_seed)).numpy()
+        is_val[perm[:n_val]] = True
+    return is_val
+
+
+class Documents:
+    """One split as documents end to end, each followed by [EOT], in a flat token array
+    (`tokens`), and where each one starts (`offsets`, one more than the documents: the
+    last is the token count). Opened from the cache, both are memory-maps: every rank
+    reads the same file pages and holds none of it in its own memory."""
+
+    def __init__(self, tokens: np.ndarray, offsets: np.ndarray, prefix: Path | None = None):
+        self.tokens, self.offsets, self.prefix = tokens, offsets, prefix
+
+    @classmethod
+    def from_lists(cls, docs, eot_id: int, dtype=np.int64) -> "Documents":
+        """In memory, from lists of ids (small corpora, tests)."""
+        tokens = np.array([t for d in docs for t in [*d, eot_id]], dtype=dtype)
+        offsets = np.concatenate([[0], np.cumsum([len(d) + 1 for d in docs])]).astype(np.int64)
+        return cls(tokens, offsets)
+
+    @classmethod
+    def open(cls, prefix: Path, dtype: np.dtype, num_docs: int, num_tokens: int) -> "Documents":
+        """`<prefix>.bin` and `<prefix>.idx` as memory-maps, after checking their sizes and
+        ends against the counts meta.json holds (ValueError if they do not match)."""
+        prefix = Path(prefix)
+        bin_, idx = prefix.with_suffix(".bin"), prefix.with_suffix(".idx")
+        for path, want in ((bin_, num_tokens * dtype.itemsize), (idx, (num_docs + 1) * 8)):
+            have = path.stat().st_size if path.exists() else None
+            if have != want:
+                raise ValueError(f"{path.name} holds {have} bytes, not {want}")
+        tokens = np.memmap(bin_, dtype=dtype, mode="r") if num_tokens else np.zeros(0, dtype)
+        offsets = np.memmap(idx, dtype=np.int64, mode="r")
+        if offsets[0] != 0 or offsets[-1] != num_tokens:
+            raise ValueError(f"{idx.name} does not span {bin_.name}")
+        return cls(tokens, offsets, prefix)
+
+    def __len__(self):
+        return len(self.offsets) - 1
+
+    def document(self, i: int) -> np.ndarray:
+        """Document i's ids, without its [EOT]."""
+        return self.tokens[self.offsets[i]: self.offsets[i + 1] - 1]
+
+    def __getstate__(self):
+        # DataLoader workers that are spawned (not forked) get the file names, not a copy
+        if self.prefix is None:
+            return self.__dict__
+        return {"prefix": self.prefix, "dtype": self.tokens.dtype, "n": (len(self), len(self.tokens))}
+
+    def __setstate__(self, state):
+        if "n" not in state:
+            self.__dict__.update(state)
+            return
+        self.__dict__.update(Documents.open(state["prefix"], state["dtype"], *state["n"]).__dict__)
+
+
+def _write_split_files(tokenized, is_val: np.ndarray, eot_id: int, dtype: np.dtype, folder: Path) -> dict:
+    """Stream the tokenized corpus into <split>.bin (documents each followed by [EOT]) and
+    <split>.idx (int64 offsets), a batch of documents at a time, forced to disk. Returns
+    each split's document and token counts."""
+    import pyarrow.compute as pc
+    from tqdm.auto import tqdm
+
+    limit = np.iinfo(dtype).max
+    files = {s: open(folder / f"{s}.bin", "wb") for s in SPLITS}
+    lengths = {s: [] for s in SPLITS}
+    done = 0
+    with tqdm(total=len(tokenized), desc="writing token files", unit="doc", file=sys.stderr,
+              disable=not show_progress()) as bar:
+        for batch in tokenized.with_format("arrow").iter(batch_size=10_000):
+            col = batch.column("ids")
+            flat = pc.list_flatten(col).to_numpy()
+            n = pc.list_value_length(col).to_numpy().astype(np.int64)
+            if flat.size and flat.max() > limit:
+                raise DataError(f"token id {flat.max()} does not fit {dtype.name}")
+            stream = np.insert(flat, np.cumsum(n), eot_id).astype(dtype)  # [EOT] after each
+            val = is_val[done: done + len(n)]
+            in_val = np.repeat(val, n + 1)
+            for s, keep, docs in (("train", ~in_val, ~val), ("val", in_val, val)):
+                files[s].write(stream[keep].tobytes())
+                lengths[s].append(n[docs] + 1)
+            done += len(n)
+            bar.update(len(n))
+    counts = {}
+    for s in SPLITS:
+        files[s].flush()
+        os.fsync(files[s].fileno())
+        files[s].close()
+        offsets = np.concatenate([[0], *lengths[s]]).cumsum().astype(np.int64)
+        fsync_write(folder / f"{s}.idx", lambda f: f.write(offsets.tobytes()))
+        counts[s] = {"documents": len(offsets) - 1, "tokens": int(offsets[-1])}
+    return counts
+
+
+def _tokenizer_hash(tok) -> str:
+    return hashlib.sha256(tok.to_str().encode()).hexdigest()[:16]
+
+
+def token_cache_path(corpus: Corpus, tok, cache_dir: Path | None = None,
+                     val_fraction: float = 0.05, split_seed: int = 0) -> Path:
+    """The cache folder of this corpus's splits under this tokenizer."""
+    key = hashlib.sha256(f"{corpus.identity}|{_tokenizer_hash(tok)}|{val_fraction}|{split_seed}|"
+                         f"{TOKEN_FORMAT}".encode()).hexdigest()[:16]
+    return Path(cache_dir or default_cache_dir()) / f"tokens-{key}"
+
+
+def token_files(corpus: Corpus, tok, cache_dir: Path | None = None, val_fraction: float = 0.05,
+                split_seed: int = 0) -> tuple[Documents, Documents]:
+    """The train and validation splits as memory-mapped token files, written once per
+    machine into the cache folder `tokens-<key>/` (train.bin, train.idx, val.bin,
+    val.idx, meta.json) and opened from there by every later call."""
+    path = token_cache_path(corpus, tok, cache_dir, val_fraction, split_seed)
+    if not (path / "meta.json").exists():
+        write_token_files(path, lambda scratch: tokenize_corpus(corpus, tok, scratch), tok,
+                          {"corpus": corpus.identity}, val_fraction, split_seed)
+    return _open_token_files(path)
+
+
+def write_token_files(path: Path, tokenize, tok, meta: dict, val_fraction: float = 0.05,
+                      split_seed: int = 0) -> None:
+    """Build the cache folder `path` from `tokenize(scratch)` (a datasets.Dataset of `ids`;
+    `scratch` is a folder for its files, removed afterwards).
+
+    The folder is built under a temporary name and renamed into place whole (every file
+    forced to disk first), so a killed run leaves no half cache and two jobs that build
+    it at once both end up reading one complete copy."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".tmp-{path.name}-"))
+    try:
+        (tmp / "scratch").mkdir()
+        tokenized = tokenize(tmp / "scratch")
+        dtype, eot_id = token_dtype(tok.get_vocab_size()), tok.token_to_id(EOT)
+        counts = _write_split_files(tokenized, split_mask(len(tokenized), val_fraction, split_seed),
+                                    eot_id, dtype, tmp)
+        del tokenized
+        shutil.rmtree(tmp / "scratch", ignore_errors=True)
+        meta = {"format": TOKEN_FORMAT, "dtype": dtype.name, **meta,
+                "tokenizer_sha256": _tokenizer_hash(tok), "eot_id": eot_id,
+                "val_fraction": val_fraction, "split_seed": split_seed, **counts}
+        fsync_write(tmp / "meta.json", lambda f: f.write(json.dumps(meta, indent=1).encode()))
+        try:
+            os.rename(tmp, path)  # atomic; fails if another job's copy is already there
+            fsync_dir(path.parent)
+        except OSError:
+            if not (path / "meta.json").exists():
+                raise
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return _load_cached(path)
 
 
-def _load_cached(path: Path):
-    """The tokenized corpus from the cache; a damaged one is a one-line DataError."""
-    import datasets
-
+def _open_token_files(path: Path) -> tuple[Documents, Documents]:
+    """Both splits from a cache folder; a damaged one is a one-line DataError."""
     try:
-        return datasets.load_from_disk(str(path))
-    except Exception as e:
-        raise DataError(f"the tokenized cache {path} cannot be read ({type(e).__name__}); delete "
-                        f"it (rm -r {path}) and run again to rebuild it") from None
-
-
-def split_documents(tokenized, val_fraction: float = 0.05, split_seed: int = 0):
-    """Train/validation split by document, fixed by split_seed (not the training seed),
-    so every run and every chapter validates on the same documents."""
-    n = len(tokenized)
-    if n < 2:
-        return tokenized, tokenized.select([]).flatten_indices()
-    n_val = min(n - 1, max(1, round(n * val_fraction)))
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(split_seed)).tolist()
-    # flatten_indices: materialise the selection, so .data holds only these rows
-    with quiet_datasets():
-        return (tokenized.select(sorted(perm[n_val:])).flatten_indices(),
-                tokenized.select(sorted(perm[:n_val])).flatten_indices())
+        meta = json.loads((path / "meta.json").read_text())
+        dtype = np.dtype(meta["dtype"])
+        splits = [Documents.open(path / s, dtype, meta[s]["documents"], meta[s]["tokens"])
+                  for s in SPLITS]
+        for docs in splits:  # every document ends with [EOT]: checks the last token read
+            if len(docs) and docs.tokens[-1] != meta["eot_id"]:
+                raise ValueError("the last token is not [EOT]")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DataError(f"the token cache {path} cannot be read ({type(e).__name__}: {e}); "
+                        f"delete it (rm -r {path}) and run again to rebuild it") from None
+    return splits[0], splits[1]
 
 
 # ------------------------------------------------------------------ dataset forms
-
-def _documents(tokenized) -> tuple[np.ndarray, np.ndarray]:
-    """(every document's ids end to end, each document's length), read straight from
-    the Arrow column: no Python list per document."""
-    import pyarrow.compute as pc
-
-    if tokenized._indices is not None:  # a selection not yet materialised
-        with quiet_datasets():
-            tokenized = tokenized.flatten_indices()
-    col = tokenized.data.column("ids")
-    flat = pc.list_flatten(col).to_numpy().astype(np.int32, copy=False)
-    return flat, pc.list_value_length(col).to_numpy().astype(np.int64, copy=False)
-
 
 class PackedDataset(torch.utils.data.Dataset):
     """Documents joined with [EOT] into one token stream, cut into windows of
     seq_len + 1 tokens with stride seq_len: inputs are window[:-1], targets window[1:].
     Consecutive windows share one token, so every token but the first is a target
-    exactly once. No padding anywhere, so attention needs no mask tensor."""
+    exactly once. No padding anywhere, so attention needs no mask tensor. The stream is
+    the split's token file itself: a sample reads seq_len + 1 tokens of the memory-map."""
 
-    def __init__(self, tokenized, seq_len: int, eot_id: int):
-        self.seq_len = seq_len
-        flat, lengths = _documents(tokenized)
-        # an [EOT] after every document: inserted at each document's end offset
-        self.tokens = torch.from_numpy(np.insert(flat, np.cumsum(lengths), eot_id))
-        self.num_tokens = len(self.tokens)
+    def __init__(self, documents: Documents, seq_len: int):
+        self.seq_len, self.documents = seq_len, documents
+        self.num_tokens = len(documents.tokens)
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return self.documents.tokens
 
     def __len__(self):
         return max(0, (self.num_tokens - 1) // self.seq_len)
@@ -381,28 +545,33 @@ class PackedDataset(torch.utils.data.Dataset):
     def __getitem__(self, i):
         if not 0 <= i < len(self):
             raise IndexError(i)
-        w = self.tokens[i * self.seq_len: i * self.seq_len + self.seq_len + 1].long()
+        start = i * self.seq_len
+        w = torch.from_numpy(self.tokens[start: start + self.seq_len + 1].astype(np.int64))
         return w[:-1], w[1:]
 
 
 class PaddedDataset(torch.utils.data.Dataset):
     """One document per sample: [BOT] + tokens + [EOT], clipped or right-padded with
     [PAD] to seq_len + 1. Targets at pad positions are IGNORE_INDEX (the loss skips
-    them); attention needs a key-padding mask (masks.build_attention_mask)."""
+    them); attention needs a key-padding mask (masks.build_attention_mask). A sample is
+    built when it is read, from the document's slice of the memory-mapped token file."""
 
-    def __init__(self, tokenized, seq_len: int, bot_id: int, eot_id: int, pad_id: int):
-        self.seq_len, self.pad_id = seq_len, pad_id
-        rows = np.full((len(tokenized), seq_len + 1), pad_id, dtype=np.int32)
-        for r, ids in enumerate(tokenized["ids"]):
-            doc = [bot_id, *ids[:seq_len], eot_id][:seq_len + 1]
-            rows[r, :len(doc)] = doc
-        self.rows = torch.from_numpy(rows)
+    def __init__(self, documents: Documents, seq_len: int, bot_id: int, eot_id: int, pad_id: int):
+        self.documents, self.seq_len = documents, seq_len
+        self.bot_id, self.eot_id, self.pad_id = bot_id, eot_id, pad_id
 
     def __len__(self):
-        return len(self.rows)
+        return len(self.documents)
 
     def __getitem__(self, i):
-        w = self.rows[i].long()
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        doc = self.documents.document(i)[:self.seq_len]
+        w = torch.full((self.seq_len + 1,), self.pad_id, dtype=torch.long)
+        w[0] = self.bot_id
+        w[1:1 + len(doc)] = torch.from_numpy(doc.astype(np.int64))
+        if len(doc) < self.seq_len:
+            w[1 + len(doc)] = self.eot_id
         x, y = w[:-1], w[1:].clone()
         y[y == self.pad_id] = IGNORE_INDEX
         return x, y
@@ -428,17 +597,17 @@ def build_datasets(dataset_name: str = "stdlib", seq_len: int = 256, packed: boo
                    vocab_size: int = DEFAULT_VOCAB_SIZE, tokenizer_path: str | None = None,
                    subset: str | None = None, text_column: str = "text",
                    cache_dir: Path | None = None, val_fraction: float = 0.05) -> Data:
-    """Corpus -> tokenizer -> tokenized (cached) -> train/val datasets of one form."""
+    """Corpus -> tokenizer -> token files (cached, memory-mapped) -> train/val datasets
+    of one form."""
     if seq_len < 1:
         raise DataError(f"sequence length must be at least 1 (got {seq_len})")
-    corpus = load_corpus(dataset_name, subset, text_column)
+    corpus = open_corpus(dataset_name, subset, text_column)  # its text read only if needed
     tok, tok_path = get_tokenizer(corpus, vocab_size, cache_dir, tokenizer_path)
     ids = special_ids(tok)
-    tokenized = tokenize_corpus(corpus, tok, cache_dir)
-    train_docs, val_docs = split_documents(tokenized, val_fraction)
+    train_docs, val_docs = token_files(corpus, tok, cache_dir, val_fraction)
     if packed:
-        train = PackedDataset(train_docs, seq_len, ids["eot"])
-        val = PackedDataset(val_docs, seq_len, ids["eot"])
+        train = PackedDataset(train_docs, seq_len)
+        val = PackedDataset(val_docs, seq_len)
     else:
         train = PaddedDataset(train_docs, seq_len, ids["bot"], ids["eot"], ids["pad"])
         val = PaddedDataset(val_docs, seq_len, ids["bot"], ids["eot"], ids["pad"])
@@ -447,7 +616,7 @@ def build_datasets(dataset_name: str = "stdlib", seq_len: int = 256, packed: boo
                         f"{seq_len + 1} tokens")
     fingerprint = hashlib.sha256(f"{corpus.identity}|{tok.to_str()}".encode()).hexdigest()[:16]
     return Data(train, val, tok, tok_path, tok.get_vocab_size(), ids["pad"], ids["bot"],
-                ids["eot"], packed, dataset_name, len(tokenized), fingerprint)
+                ids["eot"], packed, dataset_name, len(train_docs) + len(val_docs), fingerprint)
 
 
 def check_enough_samples(dataset, global_batch: int, what: str = "training") -> None:
@@ -463,10 +632,11 @@ def dataset_info(data: Data) -> dict:
             "tokenizer": data.tokenizer_path, "fingerprint": data.fingerprint}
 
 
-__all__ = ["DataError", "Corpus", "Data", "PackedDataset", "PaddedDataset", "build_datasets",
-           "check_dataset_name", "check_enough_samples", "dataset_info", "default_cache_dir",
-           "get_tokenizer", "load_corpus", "load_tokenizer", "looks_local", "local_files",
-           "special_ids", "split_documents", "stdlib_files", "tokenize_corpus",
+__all__ = ["DataError", "Corpus", "Data", "Documents", "PackedDataset", "PaddedDataset",
+           "build_datasets", "check_dataset_name", "check_enough_samples", "dataset_info",
+           "default_cache_dir", "get_tokenizer", "load_corpus", "load_tokenizer", "looks_local",
+           "local_files", "open_corpus", "special_ids", "split_mask", "stdlib_files",
+           "token_cache_path", "token_dtype", "token_files", "write_token_files", "tokenize_corpus",
            "train_tokenizer", "IGNORE_INDEX", "PAD", "BOT", "EOT", "SPECIAL_TOKENS"]
 
 

@@ -9,14 +9,15 @@ import time
 from pathlib import Path
 
 import datasets
+import numpy as np
 import pytest
 import torch
 
 import common.data as data
-from common.data import (BOT, EOT, IGNORE_INDEX, PAD, DataError, PackedDataset,
+from common.data import (BOT, EOT, IGNORE_INDEX, PAD, DataError, Documents, PackedDataset,
                          PaddedDataset, build_datasets, check_enough_samples, get_tokenizer,
-                         load_corpus, load_tokenizer, special_ids, split_documents,
-                         stdlib_files, tokenize_corpus)
+                         load_corpus, load_tokenizer, open_corpus, special_ids, split_mask,
+                         stdlib_files, token_cache_path, token_dtype, token_files)
 from conftest import free_port
 
 VOCAB = 300
@@ -41,8 +42,8 @@ def write_files(root, files: dict[str, str]):
     return root
 
 
-def ids_dataset(docs: list[list[int]]):
-    return datasets.Dataset.from_dict({"ids": docs})
+def docs_of(ids: list[list[int]], eot: int = 0) -> Documents:
+    return Documents.from_lists(ids, eot)
 
 
 @pytest.fixture(scope="module")
@@ -185,29 +186,54 @@ def test_tokenizer_path_is_used_and_bad_files_refused(corpus, tokenizer, tmp_pat
     assert BOT in one_line(err)
 
 
-def test_tokenization_is_cached_on_disk(corpus, tokenizer, tmp_path, monkeypatch):
+@pytest.mark.parametrize("dtype", ["uint16", "uint32"])
+def test_token_files_hold_each_split_in_corpus_order_and_are_reused(corpus, tokenizer, tmp_path,
+                                                                    monkeypatch, dtype):
     tok, _ = tokenizer
-    first = tokenize_corpus(corpus, tok, cache_dir=tmp_path)
-    assert first.column_names == ["ids"] and len(first) == len(corpus.dataset)
-    assert [tok.decode(ids) for ids in first["ids"]] == corpus.dataset["text"]
-    assert len(list(tmp_path.glob("tokenized-*/dataset_info.json"))) == 1
+    eot = tok.token_to_id(EOT)
+    monkeypatch.setattr(data, "token_dtype", lambda vocab: np.dtype(dtype))  # both widths
+    train, val = token_files(corpus, tok, cache_dir=tmp_path, val_fraction=0.25)
+    folder = token_cache_path(corpus, tok, tmp_path, val_fraction=0.25)
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "meta.json", "train.bin", "train.idx", "val.bin", "val.idx"]
+    assert not list(tmp_path.glob(".tmp-*"))  # the scratch folder is gone
+    texts = corpus.dataset["text"]
+    is_val = split_mask(len(texts), 0.25)
+    for docs, want in ((train, [t for t, v in zip(texts, is_val) if not v]),
+                       (val, [t for t, v in zip(texts, is_val) if v])):
+        assert isinstance(docs.tokens, np.memmap) and docs.tokens.dtype == np.dtype(dtype)
+        assert isinstance(docs.offsets, np.memmap) and docs.offsets.dtype == np.int64
+        assert [tok.decode(docs.document(i).tolist()) for i in range(len(docs))] == want
+        assert (docs.tokens[docs.offsets[1:] - 1] == eot).all()  # [EOT] closes every document
+        assert (folder / f"{'val' if docs is val else 'train'}.bin").stat().st_size == \
+            len(docs.tokens) * np.dtype(dtype).itemsize
 
     def no_map(*a, **k):
         raise AssertionError("tokenized again")
 
     monkeypatch.setattr(datasets.Dataset, "map", no_map)
-    again = tokenize_corpus(corpus, tok, cache_dir=tmp_path)
-    assert again["ids"] == first["ids"]
+    again, _ = token_files(open_corpus(corpus.name), tok, cache_dir=tmp_path, val_fraction=0.25)
+    assert np.array_equal(again.tokens, train.tokens)
+
+
+def test_token_dtype_is_the_narrowest_that_holds_every_id():
+    assert token_dtype(300) == token_dtype(65536) == np.uint16  # ids 0 .. 65535
+    assert token_dtype(65537) == token_dtype(128_256) == np.uint32
+
+
+def test_a_cached_corpus_is_not_read_again(corpus_dir, tmp_path, monkeypatch):
+    build_datasets(str(corpus_dir), seq_len=16, vocab_size=VOCAB, cache_dir=tmp_path)
+    monkeypatch.setattr(data, "_read_local", None)  # any read of the text fails
+    d = build_datasets(str(corpus_dir), seq_len=16, vocab_size=VOCAB, cache_dir=tmp_path)
+    assert d.num_documents == len(DOCS)
 
 
 def test_split_is_by_document_and_fixed():
-    docs = ids_dataset([[i] for i in range(40)])
     torch.manual_seed(123)  # the training seed must not matter
-    train, val = split_documents(docs, val_fraction=0.1)
+    is_val = split_mask(40, val_fraction=0.1)
     torch.manual_seed(456)
-    train2, val2 = split_documents(docs, val_fraction=0.1)
-    assert list(val["ids"]) == list(val2["ids"]) and len(val) == 4
-    assert sorted(list(train["ids"]) + list(val["ids"])) == list(docs["ids"])
+    assert np.array_equal(split_mask(40, val_fraction=0.1), is_val) and is_val.sum() == 4
+    assert not split_mask(1).any() and split_mask(2).sum() == 1  # at least one of each
 
 
 # ---------------------------------------------------------------------- packed form
@@ -216,7 +242,7 @@ def test_packed_windows_cover_the_stream_with_eot_between_documents():
     docs = [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10]]
     eot = 99
     stream = [1, 2, 3, eot, 4, 5, eot, 6, 7, 8, 9, 10, eot]  # 13 tokens = 1 + 4 * 3
-    ds = PackedDataset(ids_dataset(docs), seq_len=3, eot_id=eot)
+    ds = PackedDataset(docs_of(docs, eot), seq_len=3)
     assert len(ds) == 4
     xs, ys = zip(*(ds[i] for i in range(len(ds))))
     for x, y in zip(xs, ys):
@@ -229,20 +255,12 @@ def test_packed_windows_cover_the_stream_with_eot_between_documents():
         ds[len(ds)]
 
 
-def test_packed_reads_only_the_selected_documents():
-    docs = ids_dataset([[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]])
-    contiguous = PackedDataset(docs.select(range(1, 3)), seq_len=2, eot_id=0)
-    assert contiguous.tokens.tolist() == [4, 5, 0, 6, 7, 8, 9, 0]
-    shuffled = PackedDataset(docs.select([3, 0]), seq_len=2, eot_id=0)
-    assert shuffled.tokens.tolist() == [10, 0, 1, 2, 3, 0]
-
-
 # ---------------------------------------------------------------------- padded form
 
 def test_padded_rows_bot_eot_pad_and_ignored_targets():
     bot, eot, pad = 1, 2, 0
     docs = [[5, 6, 7], [5, 6, 7, 8, 9], [5, 6, 7, 8, 9, 10, 11, 12]]
-    ds = PaddedDataset(ids_dataset(docs), seq_len=6, bot_id=bot, eot_id=eot, pad_id=pad)
+    ds = PaddedDataset(docs_of(docs, eot), seq_len=6, bot_id=bot, eot_id=eot, pad_id=pad)
     assert len(ds) == 3
     (x0, y0), (x1, y1), (x2, y2) = ds[0], ds[1], ds[2]
     assert x0.shape == y0.shape == (6,)
@@ -277,7 +295,7 @@ def test_too_small_datasets_are_refused(corpus_dir, tmp_path):
         build_datasets(str(corpus_dir / "c.py"), seq_len=4096, vocab_size=VOCAB,
                        cache_dir=tmp_path)
     one_line(err)
-    ds = PackedDataset(ids_dataset([list(range(1, 30))]), seq_len=4, eot_id=0)  # 7 samples
+    ds = PackedDataset(docs_of([list(range(1, 29))]), seq_len=4)  # 29 tokens: 7 samples
     check_enough_samples(ds, 7)
     with pytest.raises(DataError, match=r"7 samples.*global batch of 8") as err:
         check_enough_samples(ds, 8)
@@ -299,14 +317,70 @@ def test_unreadable_local_files_are_one_line_data_errors(tmp_path, name, content
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
-def test_a_damaged_tokenized_cache_says_how_to_rebuild_it(tmp_path):
-    from common.data import DataError, build_datasets
-
+@pytest.mark.parametrize("damage", ["truncated", "offsets", "meta"])
+def test_a_damaged_token_cache_says_how_to_rebuild_it(tmp_path, damage):
     corpus = tmp_path / "c.txt"
     corpus.write_text("def f(x):\n    return x + 1\n" * 50)
     build_datasets(str(corpus), 16, vocab_size=300, cache_dir=tmp_path / "cache")
-    [cached] = (tmp_path / "cache").glob("tokenized-*")
-    for arrow in cached.glob("*.arrow"):
-        arrow.write_bytes(b"not arrow")
-    with pytest.raises(DataError, match=r"cannot be read .*rm -r .*run again"):
-        build_datasets(str(corpus), 16, vocab_size=300, cache_dir=tmp_path / "cache")
+    [cached] = (tmp_path / "cache").glob("tokens-*")
+    if damage == "truncated":  # a copy cut short
+        with open(cached / "train.bin", "r+b") as f:
+            f.truncate(f.seek(0, 2) - 2)
+    elif damage == "offsets":  # right size, wrong content
+        (cached / "train.idx").write_bytes(b"\xff" * (cached / "train.idx").stat().st_size)
+    else:
+        (cached / "meta.json").write_text("{ not json")
+    for packed in (True, False):
+        with pytest.raises(DataError, match=r"token cache .*cannot be read .*rm -r .*run again") as err:
+            build_datasets(str(corpus), 16, packed=packed, vocab_size=300, cache_dir=tmp_path / "cache")
+        one_line(err)
+
+
+def test_datasets_memory_map_the_token_files_and_hold_no_copy(tmp_path):
+    """Both forms over ~20 M synthetic tokens (40 MB of token files): the datasets hold
+    memory-maps and nothing per document, this process's resident memory grows by a
+    small fraction of the files, and a DataLoader worker that is spawned gets the file
+    names, not the tokens. (python -m common.data_memory measures whole runs.)"""
+    import pickle
+
+    from common.data_memory import current_rss_mb, synthetic_corpus
+
+    corpus_file, tok_file = synthetic_corpus(tmp_path, 20_000_000)
+    files_mb = sum(p.stat().st_size for p in tmp_path.glob("cache/tokens-*/*.bin")) / 2**20
+    assert files_mb > 35
+    before = current_rss_mb()
+    for packed in (True, False):
+        d = build_datasets(str(corpus_file), seq_len=256, packed=packed, tokenizer_path=str(tok_file),
+                           cache_dir=tmp_path / "cache")
+        for ds in (d.train, d.val):
+            assert isinstance(ds.documents.tokens, np.memmap) and isinstance(ds.documents.offsets, np.memmap)
+            assert not [k for k, v in vars(ds).items() if isinstance(v, (list, dict, torch.Tensor, np.ndarray))]
+            last = ds[len(ds) - 1]
+            copy = pickle.loads(pickle.dumps(ds))
+            assert len(pickle.dumps(ds)) < 4096 and isinstance(copy.documents.tokens, np.memmap)
+            assert all(torch.equal(a, b) for a, b in zip(copy[len(ds) - 1], last))
+    assert d.num_documents > 20_000_000 / 1000
+    # an in-memory int32 stream alone would be 76 MB, a padded table of rows 83 MB
+    growth = current_rss_mb() - before
+    assert growth < files_mb / 4, (growth, files_mb)
+
+
+def test_a_large_local_corpus_is_tokenized_by_processes_with_a_progress_bar(corpus, tokenizer, tmp_path,
+                                                                           monkeypatch, capfd):
+    tok, _ = tokenizer
+    calls, real_map = [], datasets.Dataset.map
+
+    def spy(self, *a, **k):
+        calls.append(k.get("num_proc"))
+        return real_map(self, *a, **k)
+
+    monkeypatch.setattr(datasets.Dataset, "map", spy)
+    (tmp_path / "one").mkdir(), (tmp_path / "two").mkdir()
+    one = data.tokenize_corpus(corpus, tok, tmp_path / "one", num_proc=2)  # a few bytes: one process
+    monkeypatch.setattr(data, "TEXT_PER_PROCESS", 1)                        # as if it were large
+    two = data.tokenize_corpus(corpus, tok, tmp_path / "two", num_proc=2)
+    assert calls == [None, 2]
+    assert two["ids"] == one["ids"]                                 # the same ids, in order
+    assert "tokenizing" in capfd.readouterr().err                   # tqdm's bar, on stderr
+    assert sorted(p.name for p in (tmp_path / "two").iterdir()) == [
+        "ids_00000_of_00002.arrow", "ids_00001_of_00002.arrow"]     # each process's shard

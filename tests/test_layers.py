@@ -9,7 +9,7 @@ import ast
 from conftest import REPO
 
 COMMON = REPO / "common"
-TOOLS = {"tour", "report", "bench_model", "peak", "two_hosts", "plan", "gpu_check"}  # `python -m common.X`
+TOOLS = {"tour", "report", "bench_model", "peak", "two_hosts", "plan", "gpu_check", "data_memory"}  # `python -m common.X`
 
 
 def imports_of(name: str) -> tuple[set[str], set[str]]:
