@@ -1,0 +1,153 @@
+"""Chapter 05, part 5: the overlap timeline. One training step of each data-parallel
+mode, recorded by torch.profiler on every rank, drawn as one picture.
+
+The modes are the ones built beside this script: ddp_from_scratch.py's naive, bucketed
+and overlapped all-reduces and torch's DDP (--bucket-mb, 25 MiB, every bucket);
+sharded_from_scratch.py's ZeRO-1, ZeRO-3 and FSDP2 (fully_shard); and DDP as chapter
+03 wraps it (ch03-ddp: DDP's default buckets, the first one 1 MiB). Each trains --warmup
+steps untraced (DDP rebuilds its buckets after the first), then one step under the
+profiler. From each rank's trace: when forward, backward, sync and optimizer ran
+(record_function ranges in the two scripts' steps), when each collective really ran
+(gloo: on its own threads; nccl: kernels on their own stream), and the overlap
+fraction: the part of the collectives' time during which backward was computing.
+Writes overlap_timeline.png, overlap_timeline.json and one Chrome trace per mode
+(trace-<mode>.json, every rank in it: open it in https://ui.perfetto.dev).
+
+    torchrun --standalone --nproc-per-node=2 05-collectives/overlap_timeline.py
+    torchrun --standalone --nproc-per-node=2 05-collectives/overlap_timeline.py --modes naive,ddp,ch03-ddp
+"""
+
+import json
+import os
+import sys
+import tempfile
+from argparse import Namespace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile, record_function
+from tqdm import tqdm
+
+# Runnable from the repo root or from inside this folder, installed or not; the modes
+# come from the scripts beside this one.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common.cli import comma_list, non_negative_int, positive_float, script_parser  # noqa: E402
+from common.data import fixed_batches, show_progress  # noqa: E402
+from common.distributed import gc_and_destroy_process_group, start_demo  # noqa: E402
+from common.environment import device_name, environment_info  # noqa: E402
+from common.jsonfiles import write_json  # noqa: E402
+from common.model import get_config  # noqa: E402
+from common.runfolder import claim_run_folder  # noqa: E402
+from common.tables import markdown_table  # noqa: E402
+from common import timeline  # noqa: E402
+from ddp_from_scratch import Replica  # noqa: E402
+from sharded_from_scratch import TRAINERS  # noqa: E402
+
+MODES = ("naive", "bucketed", "overlap", "ddp", "zero1", "zero3", "fsdp2", "ch03-ddp")
+
+
+def parse_args(argv=None):
+    p = script_parser("05-overlap-timeline", "One profiled training step of every data-parallel "
+                      "mode: phases, collectives and their overlap with backward, per rank.",
+                      training=True)
+    p.add_argument("--modes", default=",".join(MODES), type=comma_list(*MODES), help="comma list")
+    p.add_argument("--warmup", type=non_negative_int, default=2,
+                   help="untraced steps before the traced one (DDP rebuilds its buckets after the first)")
+    p.add_argument("--bucket-mb", type=positive_float, default=25.0,
+                   help="bucket size in MiB of bucketed, overlap and ddp (ch03-ddp keeps DDP's default)")
+    return p.parse_args(argv)
+
+
+def build(mode, args, config, demo, autocast):
+    """One mode's model and optimizer, with the `step(x, y)` of the script that teaches it."""
+    if mode in ("naive", "bucketed", "overlap", "ddp"):
+        return Replica(mode, args, config, demo.device, demo.rank, demo.world, torch.float32, autocast)
+    if mode == "ch03-ddp":  # bucket_cap_mb=None: DDP's defaults, as chapter 03 wraps it
+        return Replica("ddp", Namespace(**{**vars(args), "bucket_mb": None}), config, demo.device,
+                       demo.rank, demo.world, torch.float32, autocast)
+    return TRAINERS[mode](mode, args, config, demo, torch.float32, autocast)
+
+
+def trace_one_step(trainer, batches, demo) -> dict:
+    """The untraced warm-up steps, then one step under the profiler; this rank's trace."""
+    for x, y in batches[:-1]:
+        trainer.step(x, y)
+    cuda = demo.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        dist.barrier()  # every rank starts the step together, so the lanes line up
+        with record_function(timeline.STEP):
+            trainer.step(*batches[-1])
+            if cuda:
+                torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:  # the profiler writes its JSON to a file
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        return json.loads(path.read_text())
+
+
+def main():
+    args = parse_args()
+    demo = start_demo(args.timeout)
+    try:
+        return run(args, demo)
+    finally:
+        gc_and_destroy_process_group()
+
+
+def run(args, demo):
+    run_dir = claim_run_folder(Path(args.save_dir) / args.experiment_name, rank=demo.rank)
+    data, batches = fixed_batches(args.dataset_name, args.seq_length, args.batch_size, args.warmup + 1,
+                                  args.seed, demo.rank, demo.world, demo.device)
+    config = get_config(args.model_preset, data.vocab_size)
+    cuda = demo.device.type == "cuda"
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else None  # as the chapters train
+    if demo.rank == 0:
+        print(f"{demo.world} ranks, {demo.backend}, {device_name(demo.device)}; {args.model_preset} preset, "
+              f"batch {args.batch_size} x {args.seq_length} per rank; {args.warmup} untraced steps, "
+              f"then one traced step, per mode", flush=True)
+    steps = {}
+    for mode in tqdm(args.modes, desc="modes", disable=demo.rank != 0 or not show_progress()):
+        trace = trace_one_step(build(mode, args, config, demo, autocast), batches, demo)
+        mine = timeline.read_step(trace, demo.rank)
+        traces = [None] * demo.world if demo.rank == 0 else None
+        dist.gather_object((trace, mine), traces, dst=0)
+        if demo.rank == 0:
+            write_json(run_dir / f"trace-{mode}.json", timeline.merge_traces([t for t, _ in traces]))
+            steps[mode] = [r for _, r in traces]
+            f = timeline.overlap(steps[mode])
+            print(f"  {mode}: {f['overlap_fraction']:.0%} of the collectives' time during backward "
+                  f"compute", flush=True)
+    if demo.rank == 0:
+        report(args, demo, steps, run_dir)
+    dist.barrier()  # nobody leaves while rank 0 still writes
+    return 0
+
+
+COLUMNS = ("mode", "collectives/rank", "collective ms", "during backward compute ms", "overlap",
+           "step ms")
+
+
+def report(args, demo, steps, run_dir):
+    """Rank 0: the table, overlap_timeline.json and overlap_timeline.png."""
+    figures = {mode: timeline.overlap(ranks) for mode, ranks in steps.items()}
+    rows = [(m, f"{f['collectives']:g}", f"{f['collective_ms']:,.1f}", f"{f['overlapped_with_backward_ms']:,.1f}",
+             f"{f['overlap_fraction']:.0%}", f"{f['step_ms']:,.1f}") for m, f in figures.items()]
+    print("\n" + markdown_table(COLUMNS, rows, right=range(1, len(COLUMNS))) +
+          "\n\ncollective ms: per rank, the time gloo's threads (or nccl's stream) were running a "
+          "collective; overlap: the part of it while the same rank's backward was computing", flush=True)
+    write_json(run_dir / "overlap_timeline.json", {
+        "world_size": demo.world, "backend": demo.backend, "device_name": device_name(demo.device),
+        "args": vars(args), "load_average": os.getloadavg()[0],
+        "modes": {m: {**figures[m], "ranks": [r.as_dict() for r in steps[m]]} for m in steps},
+        "environment": environment_info()})
+    timeline.plot(steps, run_dir / "overlap_timeline.png",
+                  f"one step per mode, {demo.world} ranks, {demo.backend}, {device_name(demo.device)}, "
+                  f"{args.model_preset}, batch {args.batch_size} x {args.seq_length} per rank")
+    print(f"outputs in {run_dir} (trace-<mode>.json: open in https://ui.perfetto.dev)", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
