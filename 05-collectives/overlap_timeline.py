@@ -40,7 +40,6 @@ from common.environment import device_name, environment_info  # noqa: E402
 from common.jsonfiles import write_json  # noqa: E402
 from common.model import get_config  # noqa: E402
 from common.runfolder import claim_run_folder  # noqa: E402
-from common.tables import markdown_table  # noqa: E402
 from common import timeline  # noqa: E402
 from ddp_from_scratch import Replica  # noqa: E402
 from sharded_from_scratch import TRAINERS  # noqa: E402
@@ -126,16 +125,10 @@ def run(args, demo):
     return 0
 
 
-COLUMNS = ("mode", "collectives/rank", "collective ms", "during backward compute ms", "overlap",
-           "step ms")
-
-
 def report(args, demo, steps, run_dir):
     """Rank 0: the table, overlap_timeline.json and overlap_timeline.png."""
     figures = {mode: timeline.overlap(ranks) for mode, ranks in steps.items()}
-    rows = [(m, f"{f['collectives']:g}", f"{f['collective_ms']:,.1f}", f"{f['overlapped_with_backward_ms']:,.1f}",
-             f"{f['overlap_fraction']:.0%}", f"{f['step_ms']:,.1f}") for m, f in figures.items()]
-    print("\n" + markdown_table(COLUMNS, rows, right=range(1, len(COLUMNS))) +
+    print("\n" + timeline.table(figures) +
           "\n\ncollective ms: per rank, the time gloo's threads (or nccl's stream) were running a "
           "collective; overlap: the part of it while the same rank's backward was computing", flush=True)
     write_json(run_dir / "overlap_timeline.json", {

@@ -9,12 +9,15 @@ not the lesson itself.
 - `overlap`: how much of the collectives' time ran while backward was computing.
 - `merge_traces`: the ranks' traces as one Chrome trace, one process per rank, for
   Perfetto (https://ui.perfetto.dev) or chrome://tracing.
-- `plot`: one lane pair per rank (phases; collectives), one panel per mode.
+- `table`: the modes' figures side by side; `plot`: one lane pair per rank (phases;
+  collectives), one panel per mode.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from .tables import markdown_table
 
 STEP = "step"  # the record_function range around the traced step
 PHASES = ("forward", "backward", "sync", "optimizer")  # the ranges inside it
@@ -118,8 +121,8 @@ def read_step(trace: dict, rank: int = 0) -> RankStep:
     t0, t1 = step["ts"], _end(step)
     ms = lambda t: (t - t0) / 1e3  # noqa: E731  (trace times are in microseconds)
     in_step = [e for e in events if t0 <= e["ts"] <= t1]
-    phases = sorted((e["name"], ms(e["ts"]), ms(_end(e))) for e in in_step
-                    if e.get("cat") == "user_annotation" and e["name"] in PHASES)
+    phases = sorted(((e["name"], ms(e["ts"]), ms(_end(e))) for e in in_step
+                     if e.get("cat") == "user_annotation" and e["name"] in PHASES), key=lambda p: p[1])
     kernels = [e for e in events if e.get("cat") == "kernel"]
     compute: dict[str, list[Interval]] = {}
     if kernels:  # CUDA: nccl kernels vs the rest, each charged to the phase that launched it
@@ -160,6 +163,17 @@ def overlap(ranks: list[RankStep]) -> dict:
             "collective_ms": total / len(ranks), "overlapped_with_backward_ms": during / len(ranks),
             "overlap_fraction": during / total if total else 0.0,
             "step_ms": max(r.step_ms for r in ranks)}
+
+
+COLUMNS = ("mode", "collectives/rank", "collective ms", "during backward compute ms", "overlap",
+           "step ms")
+
+
+def table(figures: dict) -> str:
+    """`overlap` of every mode (a dict mode -> figures), as a Markdown table."""
+    rows = [(m, f"{f['collectives']:g}", f"{f['collective_ms']:,.1f}", f"{f['overlapped_with_backward_ms']:,.1f}",
+             f"{f['overlap_fraction']:.0%}", f"{f['step_ms']:,.1f}") for m, f in figures.items()]
+    return markdown_table(COLUMNS, rows, right=range(1, len(COLUMNS)))
 
 
 def merge_traces(traces: list[dict], ranks: list[RankStep] | None = None) -> dict:
@@ -218,8 +232,10 @@ def plot(modes: dict[str, list[RankStep]], path, title: str) -> None:
     handles = [Patch(color=c, label=n) for n, c in PHASE_COLORS.items()]
     handles += [Patch(color="tab:red", alpha=0.35, label="collective"),
                 Patch(color="darkred", label="collective during backward compute")]
-    fig.legend(handles=handles, loc="upper right", ncol=6, fontsize=7)
-    fig.suptitle(title, fontsize=9, x=0.01, ha="left")
-    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    top = 1 - 0.55 / fig.get_figheight()  # room for the title and the legend
+    fig.suptitle(title, fontsize=9, x=0.01, y=0.995, ha="left")
+    fig.legend(handles=handles, loc="upper left", bbox_to_anchor=(0.01, 1 - 0.25 / fig.get_figheight()),
+               ncol=6, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, top))
     fig.savefig(path, dpi=110)
     plt.close(fig)
