@@ -89,7 +89,7 @@ def _inside(e, ranges) -> bool:
 
 
 def _phase_at(t: float, phases) -> str | None:
-    return next((name for name, s, e in phases if s <= t <= e), None)
+    return next((name for name, s, e in phases if s <= t < e), None)
 
 
 def collective_name(name: str) -> str:

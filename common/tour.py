@@ -4,9 +4,9 @@ Each chapter is launched as a real subprocess, exactly as its README launches it
 for 01 and 02, torchrun for 03, 04 and 05), on the embedded dataset with a small model
 and short runs: a few minutes on a laptop CPU, larger sizes on GPUs. Every chapter's full
 output is saved to `<out>/<name>.log`; at the end the terminal shows a narrow comparison
-(tokens/s, loss, notes) and chapter 05's tables, and `<out>/report.md` holds everything:
-`common.report`'s table with every column and its plots, chapter 05's tables, the
-explanations, and a list of every file produced.
+(tokens/s, loss, notes) and chapter 05's tables (its overlap timeline too), and
+`<out>/report.md` holds everything: `common.report`'s table with every column and its
+plots, chapter 05's tables, the explanations, and a list of every file produced.
 
     python -m common.tour                      # everything
     python -m common.tour --chapters 01,03     # a subset
@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import report, sharding
+from . import report, sharding, timeline
 from .cli import DEFAULT_SAVE_DIR, REPO_ROOT, Parser, check_writable_folder
 from .errors import UsageError
 from .model import PRESETS
@@ -235,6 +235,9 @@ def collectives_steps(args, out, step, torchrun) -> list[Step]:
     scratch_steps = max(2, sizes.steps // 5)
     # on GPUs also the overlapped mode (what DDP does); on CPU it only adds minutes
     modes = ["--modes", "naive,bucketed,overlap,ddp"] if args.gpus and not env else []
+    # the overlap timeline of every mode on GPUs; on CPU four (all eight would make it the
+    # tour's slowest step): naive, DDP with one big bucket, DDP as chapter 03 wraps it, FSDP2
+    timeline_modes = [] if args.gpus and not env else ["--modes", "naive,ddp,ch03-ddp,fsdp2"]
     d = "05-collectives"
     return [
         step(d, "05-collectives-demo", torchrun(n), [f"{d}/collectives_demo.py"], env, note),
@@ -254,6 +257,10 @@ def collectives_steps(args, out, step, torchrun) -> list[Step]:
               "--steps", str(scratch_steps), "--timing-warmup", str(min(2, scratch_steps - 1)),
               "--save-dir", out, "--experiment-name", "05-sharded-from-scratch"], env, note),
         # --- end issue 17 ---
+        step(d, "05-overlap-timeline", torchrun(n),
+             [f"{d}/overlap_timeline.py", "--model-preset", sizes.preset,
+              "--seq-length", str(sizes.seq_length), "--batch-size", str(sizes.batch_size),
+              *timeline_modes, "--save-dir", out, "--experiment-name", "05-overlap-timeline"], env, note),
     ]
 
 
@@ -347,6 +354,16 @@ def scratch_table(obj) -> str | None:
     return head + "\n\n" + markdown_table(header, rows, right=range(1, len(header)))
 
 
+def overlap_table(obj) -> str | None:
+    """overlap_timeline.json: each mode's collective time and the part of it during backward."""
+    modes = obj.get("modes") if isinstance(obj, dict) else None
+    if not modes:
+        return None
+    head = (f"{obj.get('world_size')} ranks, {obj.get('backend')}, {obj.get('device_name')}, "
+            f"one traced step per mode")
+    return head + "\n\n" + timeline.table(modes)
+
+
 def _gbps(x: float) -> str:
     return f"{x:.3g}" if x < 1 else f"{x:,.2f}"
 
@@ -375,7 +392,9 @@ def sharded_tables(obj) -> str | None:
 
 CHAPTER_05_TABLES = (("bench_collectives.json", "05 collective benchmark", bench_table),
                      ("ddp_from_scratch.json", "05 data parallelism from collectives", scratch_table),
-                     ("sharded_from_scratch.json", "05 sharded training from collectives", sharded_tables))
+                     ("sharded_from_scratch.json", "05 sharded training from collectives", sharded_tables),
+                     ("overlap_timeline.json", "05 overlap timeline (open trace-<mode>.json in ui.perfetto.dev)",
+                      overlap_table))
 
 
 def explanations(args) -> list[str]:

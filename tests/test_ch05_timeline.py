@@ -15,7 +15,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 SCRIPT = "05-collectives/overlap_timeline.py"
 # small preset: its layers' backward, which DDP's first bucket (the 8 MiB head) overlaps,
 # lasts far longer than the head's all-reduce, even on two loaded cores
-SIZES = ["--model-preset", "small", "--seq-length", "64", "--batch-size", "2", "--warmup", "1"]
+SIZES = ["--model-preset", "small", "--seq-length", "64", "--batch-size", "2"]
 
 
 @pytest.fixture(scope="module")

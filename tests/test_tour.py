@@ -30,7 +30,8 @@ def test_plan_runs_every_chapter_in_order_as_the_readmes_launch_them(tmp_path):
     assert list(dict.fromkeys(s.chapter for s in plan)) == list(tour.CHAPTERS)
     assert [s.name for s in plan] == ["01-single-gpu", "02-data-parallel", "03-ddp",
                                       "04-checkpointing", "05-collectives-demo", "05-bench",
-                                      "05-ddp-from-scratch", "05-sharded-from-scratch"]
+                                      "05-ddp-from-scratch", "05-sharded-from-scratch",
+                                      "05-overlap-timeline"]
     by_name = {s.name: s for s in plan}
     for name in ("01-single-gpu", "02-data-parallel"):
         assert by_name[name].display.startswith(f"python {name}/train_llm.py ")
@@ -51,6 +52,9 @@ def test_plan_runs_every_chapter_in_order_as_the_readmes_launch_them(tmp_path):
     assert {flag(s, "--save-dir") for s in plan if "--save-dir" in s.argv} == {str(tmp_path / "t")}
     assert [flag(s, "--experiment-name") for s in train] == [s.name for s in train]
     assert all(flag(s, "--dataset-name") == "stdlib" for s in train)
+    # on CPU the overlap timeline traces four modes of the eight, on GPUs all of them
+    assert flag(by_name["05-overlap-timeline"], "--modes") == "naive,ddp,ch03-ddp,fsdp2"
+    assert "--modes" not in plan_for(tmp_path, gpus=2)[-1].argv
 
 
 def test_plan_sizes_follow_the_hardware(tmp_path):
@@ -77,7 +81,7 @@ def test_chapter_selection(tmp_path):
     plan = plan_for(tmp_path, "--chapters", "03,1")      # any order, with or without 0
     assert [s.name for s in plan] == ["01-single-gpu", "03-ddp"]
     plan = plan_for(tmp_path, "--chapters", "05-collectives")
-    assert {s.chapter for s in plan} == {"05-collectives"} and len(plan) == 4
+    assert {s.chapter for s in plan} == {"05-collectives"} and len(plan) == 5
     with pytest.raises(UsageError, match="unknown chapter '06'"):
         tour.parse_args(["--chapters", "01,06"], gpus=0)
     with pytest.raises(UsageError, match="only 2 GPU"):
@@ -141,7 +145,7 @@ def test_non_empty_out_is_refused_and_dry_run_runs_nothing(tmp_path, capsys):
     fresh = tmp_path / "fresh"
     proc = run([sys.executable, "-m", "common.tour", "--dry-run", "--out", fresh])
     lines = [l for l in proc.stdout.splitlines() if l.startswith("[")]
-    assert len(lines) == 8  # 01-04, then 05's demo, benchmark, DDP and sharding from scratch
+    assert len(lines) == 9  # 01-04, then 05's demo, benchmark, DDP and sharding from scratch, timeline
     assert lines[0].startswith("[1/5] 01-single-gpu: python 01-single-gpu/train_llm.py")
     assert lines[3].startswith("[4/5] 04-checkpointing: torchrun --standalone "
                                "--nproc-per-node=2 --max-restarts=3 04-checkpointing/train_llm.py")
@@ -247,8 +251,10 @@ def test_short_real_tour(tmp_path):
         data = (out / name).read_bytes()
         assert data[:8] == PNG_SIGNATURE and len(data) > 1000
     for log in ("01-single-gpu", "05-collectives-demo", "05-bench", "05-ddp-from-scratch",
-                "05-sharded-from-scratch"):
+                "05-sharded-from-scratch", "05-overlap-timeline"):
         assert (out / f"{log}.log").stat().st_size > 0
     assert "05 collective benchmark" in stdout and "all_reduce" in stdout
     assert "05 data parallelism from collectives" in stdout
+    assert "05 overlap timeline" in stdout and "| ch03-ddp " in stdout
+    assert (out / "05-overlap-timeline" / "overlap_timeline.png").read_bytes()[:8] == PNG_SIGNATURE
     assert "tour finished in" in stdout
