@@ -182,7 +182,7 @@ def merge_traces(traces: list[dict], ranks: list[RankStep] | None = None) -> dic
     merged = []
     for rank, trace in enumerate(traces):
         events = trace["traceEvents"]
-        step = [e for e in events if e.get("name") == STEP and e.get("ph") == "X"]
+        step = [e for e in events if e.get("name") == STEP and e.get("cat") == "user_annotation"]
         shift = step[-1]["ts"] if step else 0.0
         pids: dict = {}
         for e in events:

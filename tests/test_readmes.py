@@ -34,6 +34,8 @@ SCRIPT_OVERRIDES = {
                                 "--steps", "3", "--timing-warmup", "1"],
     "sharded_checkpoint.py": ["--model-preset", "tiny", "--seq-length", "32", "--batch-size", "2",
                               "--steps", "2"],
+    "overlap_timeline.py": ["--model-preset", "tiny", "--seq-length", "64", "--batch-size", "4",
+                            "--modes", "naive,ddp", "--warmup", "1"],
 }
 
 
@@ -169,6 +171,7 @@ LAUNCHED_BY = {
         "test_ch05_sharded.py::test_every_mode_equals_ddp_bit_for_bit_on_2_ranks",
     "torchrun --standalone --nproc-per-node=4 05-collectives/sharded_from_scratch.py --steps 12":
         "test_ch05_sharded.py::test_every_mode_equals_ddp_within_the_rounding_bound",
+    "torchrun --standalone --nproc-per-node=2 05-collectives/overlap_timeline.py": "test_ch05_timeline.py::traced",
     "torchrun --standalone --nproc-per-node=2 05-collectives/sharded_checkpoint.py --experiment-name dcp-demo":
         "test_ch05_dcp.py::saved",
     "torchrun --standalone --nproc-per-node=3 05-collectives/sharded_checkpoint.py --load outputs/dcp-demo":
