@@ -176,7 +176,7 @@ def table(figures: dict) -> str:
     return markdown_table(COLUMNS, rows, right=range(1, len(COLUMNS)))
 
 
-def merge_traces(traces: list[dict], ranks: list[RankStep] | None = None) -> dict:
+def merge_traces(traces: list[dict]) -> dict:
     """The ranks' Chrome traces as one: each rank's processes (CPU, GPU) renamed
     "rank r ...", and its clock shifted so that its step starts at 0."""
     merged = []
