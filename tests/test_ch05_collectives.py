@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import REPO, load_script, python_cmd, read_json, run, torchrun_cmd
-from common import sharding
+from common import sharding, timeline
 
 CH = "05-collectives"
 DEMO, BENCH, SCRATCH = f"{CH}/collectives_demo.py", f"{CH}/bench_collectives.py", f"{CH}/ddp_from_scratch.py"
@@ -316,11 +316,12 @@ def test_readme_tables_have_the_columns_the_scripts_print():
     columns with one the scripts print) has exactly that table's columns, in order."""
     printed = {"bench_collectives": bench.COLUMNS, "ddp_from_scratch": scratch.COLUMNS,
                "sharded_from_scratch (bytes held)": sharding.MEMORY_COLUMNS,
-               "sharded_from_scratch (throughput, proof)": sharding.COMM_COLUMNS}
+               "sharded_from_scratch (throughput, proof)": sharding.COMM_COLUMNS,
+               "overlap_timeline": timeline.COLUMNS}
     shown = 0
     for header in readme_table_headers(REPO / CH / "README.md"):
         name, columns = max(printed.items(), key=lambda kv: len(set(kv[1]) & set(header)))
         if len(set(columns) & set(header)) >= 3:
             assert header == tuple(columns), f"a README table of {name} shows {header}, the script prints {columns}"
             shown += 1
-    assert shown >= 6  # bench 2, ddp_from_scratch 2, sharded_from_scratch 2
+    assert shown >= 7  # bench 2, ddp_from_scratch 2, sharded_from_scratch 2, overlap_timeline 1
