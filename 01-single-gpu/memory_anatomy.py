@@ -12,7 +12,7 @@ after every operation this script reads the running totals, so the plot is memor
 the step's operations, in the order they ran. Timing runs apart, untracked.
 """
 
-import json
+import os
 import statistics
 import sys
 import time
@@ -31,8 +31,8 @@ from common.cli import DEFAULT_SAVE_DIR, DTYPES, Parser, check_device, check_run
     positive_int, seed_value  # noqa: E402
 from common.errors import UsageError, run_main  # noqa: E402
 from common.jsonfiles import write_json  # noqa: E402
-from common.model import PRESETS, LlamaForCausalLM, get_config, non_matmul_params, num_parameters, \
-    shares_kv_heads  # noqa: E402
+from common.model import PRESETS, LlamaForCausalLM, flops_per_token, get_config, non_matmul_params, \
+    num_parameters, shares_kv_heads  # noqa: E402
 from common.tables import markdown_table  # noqa: E402
 from common.training import build_optimizer  # noqa: E402
 from train_llm import compute_loss, setup  # noqa: E402
@@ -85,7 +85,7 @@ def state_bytes(num_params: int) -> dict:
 
 def activation_bytes(config, num_params: int, batch: int, seq: int, bf16: bool, checkpointed: bool,
                      grouped_kv: bool = True) -> int:
-    """The bytes autograd keeps for backward at the end of the forward pass, counted from
+    """The bytes autograd keeps for backward when the forward pass ends, counted from
     the model's code (common/model.py) tensor by tensor. Per token of a decoder layer,
     with h the hidden size, k the width of K and V (h where they are repeated per query
     head, `grouped_kv` False), i the MLP width, H the heads, e the bytes of a matmul's
@@ -116,6 +116,26 @@ def activation_bytes(config, num_params: int, batch: int, seq: int, bf16: bool, 
         layers = num_params - non_matmul_params(config) - lm_head  # the layers' projections
         weight_copies = 2 * (lm_head + (0 if checkpointed else layers))
     return batch * seq * (L * layer + head) + weight_copies
+
+
+def recompute_flops_per_token(config, num_params: int, seq: int) -> int:
+    """What checkpointing adds to a step's 6 FLOPs per weight (common.model.flops_per_token):
+    the layers' forward once more, 2 FLOPs per layer weight plus attention's 4·L·H·Q·T."""
+    layers = num_params - non_matmul_params(config) - config.vocab_size * config.hidden_size
+    L, H, Q = config.num_hidden_layers, config.num_attention_heads, config.head_dim
+    return 2 * layers + 4 * L * H * Q * seq
+
+
+def textbook(config, num_params: int, batch: int, seq: int, device_type: str, bf16: bool) -> dict:
+    """The arithmetic, in bytes and FLOPs, for the plot and the table."""
+    state = state_bytes(num_params)
+    grouped = shares_kv_heads(device_type, torch.bfloat16 if bf16 else torch.float32, masked=False)
+    tokens = batch * seq
+    return {**state, "state": sum(state.values()),
+            "activations_off": activation_bytes(config, num_params, batch, seq, bf16, False, grouped),
+            "activations_on": activation_bytes(config, num_params, batch, seq, bf16, True, grouped),
+            "step_flops": flops_per_token(config, num_params, seq) * tokens,
+            "recompute_flops": recompute_flops_per_token(config, num_params, seq) * tokens}
 
 
 # ---- the measurement ----------------------------------------------------------------
@@ -218,13 +238,14 @@ def summarize(timeline: Timeline, times: list, allocator_peak) -> dict:
     samples, phases = timeline.samples, timeline.phases
     totals = [sum(s.values()) for s in samples]
     peak_at = max(range(len(totals)), key=totals.__getitem__)
-    end_of_forward = max(i for i, p in enumerate(phases) if p == "forward")
+    # what backward starts from (autocast's cache of weight copies is gone by then)
+    backward_starts = phases.index("backward")
     return {"step_s_median": statistics.median(times), "step_s": times,
             "peak_bytes": totals[peak_at], "peak_phase": phases[peak_at], "peak_by_category": samples[peak_at],
             "state": {"parameters": samples[0]["parameters"], "gradients": max(s["gradients"] for s in samples),
                       "AdamW state": samples[0]["AdamW state"]},  # weights and moments held from the start
             "max_by_category": {c: max(s[c] for s in samples) for c in CATEGORIES},
-            "activations_end_of_forward": samples[end_of_forward]["activations"],
+            "activations_kept_for_backward": samples[backward_starts]["activations"],
             "cuda_max_allocated": allocator_peak,
             "timeline": {"phases": phases, **{c: [s[c] for s in samples] for c in CATEGORIES}}}
 
@@ -241,15 +262,17 @@ def report_rows(facts: dict, results: dict) -> list:
             for cat in STATE]
     rows.append(("state: 16 bytes per parameter", mib(book["state"]), mib(sum(off["state"].values())),
                  mib(book["state"]), mib(sum(on["state"].values()))))
-    rows.append(("activations at the end of forward", mib(book["activations_off"]),
-                 mib(off["activations_end_of_forward"]), mib(book["activations_on"]),
-                 mib(on["activations_end_of_forward"])))
+    rows.append(("activations kept for backward", mib(book["activations_off"]),
+                 mib(off["activations_kept_for_backward"]), mib(book["activations_on"]),
+                 mib(on["activations_kept_for_backward"])))
     rows.append(("peak of the step (MemTracker)", mib(book["state"] + book["activations_off"]),
                  f"{mib(off['peak_bytes'])} ({off['peak_phase']})", mib(book["state"] + book["activations_on"]),
                  f"{mib(on['peak_bytes'])} ({on['peak_phase']})"))
     if off["cuda_max_allocated"] is not None:
         rows.append(("peak of the step (CUDA allocator)", "", mib(off["cuda_max_allocated"]), "",
                      mib(on["cuda_max_allocated"])))
+    rows.append(("operations in the step (dispatched)", "", f"{len(off['timeline']['phases']):,}", "",
+                 f"{len(on['timeline']['phases']):,}"))
     rows.append(("step time, ms (median, untracked)", "", f"{off['step_s_median'] * 1e3:,.1f}", "",
                  f"{on['step_s_median'] * 1e3:,.1f}"))
     return rows
@@ -304,17 +327,11 @@ def main():
     x, y = (torch.randint(0, args.vocab_size, (args.batch_size, args.seq_length), generator=gen).to(device)
             for _ in range(2))
     n = num_parameters(model)
-    state = state_bytes(n)
-    bf16 = dtype == "bf16"
-    grouped = shares_kv_heads(device.type, torch.bfloat16 if bf16 else torch.float32, masked=False)
     facts = {"preset": args.model_preset, "num_params": n, "batch_size": args.batch_size,
              "seq_length": args.seq_length, "vocab_size": args.vocab_size, "device": device.type,
              "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
-             "dtype": dtype,
-             "textbook": {**state, "state": sum(state.values()),
-                          **{f"activations_{s}": activation_bytes(config, n, args.batch_size, args.seq_length,
-                                                                  bf16, on, grouped)
-                             for s, on in (("off", False), ("on", True))}}}
+             "dtype": dtype, "load_average_before": os.getloadavg()[0],
+             "textbook": textbook(config, n, args.batch_size, args.seq_length, device.type, dtype == "bf16")}
     print(f"{args.model_preset} preset, {n / 1e6:.2f} M parameters, batch {args.batch_size} x "
           f"{args.seq_length} tokens, {device.type}, {dtype}: one step tracked per setting, "
           f"{args.steps} timed", flush=True)
@@ -324,13 +341,18 @@ def main():
     write_json(run_dir / "memory_anatomy.json", {**facts, "results": results, "args": vars(args),
                                                   "torch_version": torch.__version__})
     plot(facts, results, run_dir / "memory_anatomy.png")
-    off, on = results["off"], results["on"]
+    off, on, book = results["off"], results["on"], facts["textbook"]
     print("\n" + markdown_table(("MiB", "textbook", "measured", "textbook, checkpointed",
                                  "measured, checkpointed"), report_rows(facts, results), right=(1, 2, 3, 4)))
     print(f"\nactivation checkpointing: peak {off['peak_bytes'] / MiB:,.1f} -> {on['peak_bytes'] / MiB:,.1f} "
           f"MiB ({100 * (1 - on['peak_bytes'] / off['peak_bytes']):.0f}% less), step "
           f"{off['step_s_median'] * 1e3:,.1f} -> {on['step_s_median'] * 1e3:,.1f} ms "
-          f"({100 * (on['step_s_median'] / off['step_s_median'] - 1):+.0f}%)")
+          f"({100 * (on['step_s_median'] / off['step_s_median'] - 1):+.0f}%; textbook: "
+          f"{100 * book['recompute_flops'] / book['step_flops']:+.0f}% FLOPs)")
+    load = max(facts["load_average_before"], os.getloadavg()[0])
+    if load > (os.cpu_count() or 1):
+        print(f"the machine was busy (load average up to {load:.1f} on {os.cpu_count()} cores): other "
+              f"programs slowed the timed steps; the memory and the operation counts do not depend on it")
     print(f"\noutputs in {run_dir}", flush=True)
 
 
