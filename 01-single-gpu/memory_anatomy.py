@@ -54,7 +54,7 @@ def parse_args(argv=None):
     p.add_argument("--seq-length", type=positive_int, default=256, help="tokens per sample")
     p.add_argument("--batch-size", type=positive_int, default=8, help="samples per step")
     p.add_argument("--vocab-size", type=positive_int, default=8192, help="vocabulary (chapter 01's default)")
-    p.add_argument("--steps", type=positive_int, default=5,
+    p.add_argument("--steps", type=positive_int, default=3,
                    help="timed steps per setting (the median is reported)")
     p.add_argument("--seed", type=seed_value, default=0, help="initial weights and tokens")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
