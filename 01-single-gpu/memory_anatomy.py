@@ -240,7 +240,9 @@ def summarize(timeline: Timeline, times: list, allocator_peak) -> dict:
     peak_at = max(range(len(totals)), key=totals.__getitem__)
     # what backward starts from (autocast's cache of weight copies is gone by then)
     backward_starts = phases.index("backward")
-    return {"step_s_median": statistics.median(times), "step_s": times,
+    tracker_peak = sum(snap["Total"] for dev, snap in timeline.tracker.get_tracker_snapshot("peak").items()
+                       if torch.device(dev).type == timeline.device.type)
+    return {"step_s_median": statistics.median(times), "step_s": times, "tracker_peak_bytes": tracker_peak,
             "peak_bytes": totals[peak_at], "peak_phase": phases[peak_at], "peak_by_category": samples[peak_at],
             "state": {"parameters": samples[0]["parameters"], "gradients": max(s["gradients"] for s in samples),
                       "AdamW state": samples[0]["AdamW state"]},  # weights and moments held from the start

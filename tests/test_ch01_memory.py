@@ -49,6 +49,7 @@ def test_measured_memory_is_the_textbook_and_checkpointing_keeps_less(dtype):
         assert r["state"]["AdamW state"] == pytest.approx(8 * n, rel=0.01)
         assert r["activations_kept_for_backward"] == pytest.approx(book[f"activations_{setting}"], rel=0.03)
         assert set(timeline.phases) == {"forward", "backward", "update"}
+        assert r["peak_bytes"] == r["tracker_peak_bytes"]  # read after every op, the peak is caught
     assert got["on"]["activations_kept_for_backward"] < got["off"]["activations_kept_for_backward"] / 3
     assert got["on"]["peak_bytes"] < got["off"]["peak_bytes"]
     # the price: every layer's forward ops once more
