@@ -129,7 +129,7 @@ def main():
 
     # ---- model, optimizer and schedule ---------------------------------------------
     config = get_config(args.model_preset, data.vocab_size)
-    model = LlamaForCausalLM(config).to(device)
+    model = LlamaForCausalLM(config, args.activation_checkpointing).to(device)
     n_params = num_parameters(model)
     log.info("model: %s preset, %.2f M parameters (%s)", args.model_preset, n_params / 1e6,
              describe(config))

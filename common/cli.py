@@ -173,6 +173,9 @@ def base_parser(chapter: str, description: str, *, distributed: bool = False,
                    help="DataLoader worker processes")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile the model and loss (the first step compiles: slow)")
+    g.add_argument("--activation-checkpointing", action="store_true",
+                   help="keep only each layer's input for backward and recompute the rest "
+                        "there: much less activation memory for about one more forward")
     if distributed:
         g.add_argument("--timeout", type=seconds, default=600,
                        help="seconds a collective may wait for the other ranks before failing")

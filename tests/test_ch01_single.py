@@ -208,9 +208,12 @@ def test_compiled_and_eager_training_agree(smoke, tmp_path):
     """--compile (inductor, model and loss as one graph) trains what eager trains: the
     same losses as the eager reference run over its 40 steps, to within 1e-4 relative.
     Kernels fuse and reorder float additions, so the match is to rounding (about 1e-7
-    per step, growing slowly through AdamW), not bit for bit. (The suite's one compile.)"""
+    per step, growing slowly through AdamW), not bit for bit. (The suite's one compile.)
+    The compiled run also checkpoints its layers' activations (--activation-checkpointing,
+    which changes no number: test_model.py), so the two compile together."""
     eager, _, records, _ = smoke
-    compiled = run(python_cmd(SCRIPT, *train_args(tmp_path, "compiled", STEPS, "--compile")),
+    compiled = run(python_cmd(SCRIPT, *train_args(tmp_path, "compiled", STEPS, "--compile",
+                                                  "--activation-checkpointing")),
                    env=NO_GPU, timeout=600)
     a = [r["loss"] for r in records]
     b = [r["loss"] for r in read_jsonl(tmp_path / "compiled" / "metrics.jsonl")]
@@ -218,8 +221,9 @@ def test_compiled_and_eager_training_agree(smoke, tmp_path):
     print(f"\ncompiled vs eager over {STEPS} steps: largest loss rel diff "
           f"{max(abs(x - y) / y for x, y in zip(b, a)):.1e}")
     summary = read_json(tmp_path / "compiled" / "summary.json")
-    assert summary["compiled"] and summary["compile_s"] > 0
+    assert summary["compiled"] and summary["compile_s"] > 0 and summary["activation_checkpointing"]
     assert "| torch.compile" in compiled.stdout and "| torch.compile" not in eager.stdout
+    assert "| activation checkpointing" in compiled.stdout and "| activation checkpointing" not in eager.stdout
 
 
 def test_a_diverging_run_stops_with_one_line_and_keeps_what_it_made(tmp_path):

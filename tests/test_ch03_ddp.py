@@ -94,12 +94,15 @@ def accum(save_dir, ch01_b16):
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory):
     """Two torchrun launchers (one process each, batch 4 x grad-accum 2) meeting through
-    a c10d rendezvous, as two machines would: global batch 2 x 4 x 2 = 16."""
+    a c10d rendezvous, as two machines would: global batch 2 x 4 x 2 = 16. They also
+    checkpoint activations: recomputing each layer in backward, under DDP and no_sync,
+    must still train exactly what chapter 01 trains without it."""
     save_dir = tmp_path_factory.mktemp("ch03-nodes")
     port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=nodes-{port}",
-           str(REPO / SCRIPT), *map(str, train_args(save_dir, "nodes-2x4x2", 4, "--grad-accum", 2))]
+           str(REPO / SCRIPT), *map(str, train_args(save_dir, "nodes-2x4x2", 4, "--grad-accum", 2,
+                                                   "--activation-checkpointing"))]
     logs_dir = tmp_path_factory.mktemp("ch03-nodes-logs")
     logs = [logs_dir / f"node{i}.log" for i in range(2)]
     with open(logs[0], "w") as out0, open(logs[1], "w") as out1:
@@ -127,6 +130,7 @@ def test_two_nodes_with_grad_accumulation_equal_the_global_batch(two_nodes, ch01
     assert len(list(save_dir.rglob("summary.json"))) == 1
     summary = read_json(save_dir / "nodes-2x4x2" / "summary.json")
     assert (summary["world_size"], summary["global_batch_size"]) == (2, 16)
+    assert summary["activation_checkpointing"]
     assert sum(out.count("outputs in") for out in stdouts) == 1   # rank 0's node only
     assert_same_training(save_dir / "nodes-2x4x2", ch01_b16)
 

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from common.data import train_tokenizer
 from common.masks import build_attention_mask
@@ -276,6 +277,33 @@ def test_masked_path_equals_fast_path_without_padding():
         fast = model(ids)                                     # is_causal, no mask tensor
         masked = model(ids, build_attention_mask(ids, pad_id))  # additive causal mask
     torch.testing.assert_close(masked, fast, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["packed", "padded"])
+def test_activation_checkpointing_gives_the_same_loss_and_gradients(masked):
+    """Checkpointed layers run their forward a second time in backward (counted), and
+    that changes nothing: in float64 the loss and every gradient equal
+    the plain model's, with or without an attention mask."""
+    plain = spread_weights(make_model()).double().train()
+    checkpointed = LlamaForCausalLM(plain.config, activation_checkpointing=True).double().train()
+    checkpointed.load_state_dict(plain.state_dict())
+    ids = torch.randint(1, VOCAB, (2, 21), generator=torch.Generator().manual_seed(0))
+    if masked:
+        ids[1, 14:] = 0  # padding
+    x, y = ids[:, :-1], ids[:, 1:]
+    mask = build_attention_mask(x, 0) if masked else None
+    losses, calls = [], []
+    for model in (plain, checkpointed):
+        count, layer = [], model.layers[0]
+        layer.forward = lambda *a, f=layer.forward: count.append(1) or f(*a)  # (module hooks
+        loss = F.cross_entropy(model(x, mask).view(-1, VOCAB), y.reshape(-1))  # skip the rerun)
+        loss.backward()
+        losses.append(loss)
+        calls.append(len(count))
+    assert calls == [1, 2]
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-12, atol=0)
+    for (name, a), b in zip(plain.named_parameters(), checkpointed.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-12, atol=1e-15, msg=name)
 
 
 # ----------------------------------------------------------------------------- init

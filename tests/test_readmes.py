@@ -125,6 +125,9 @@ LAUNCHED_BY = {
         "test_ch01_single.py::test_runs_from_inside_the_chapter_folder",
     "torchrun --standalone --nproc-per-node=1 01-single-gpu/train_llm.py --max-steps 20":
         "test_ch01_single.py::test_runs_from_inside_the_chapter_folder",
+    "python 01-single-gpu/train_llm.py --activation-checkpointing --max-steps 30":
+        "test_ch01_single.py::test_compiled_and_eager_training_agree",
+    "python 01-single-gpu/memory_anatomy.py": "test_ch01_memory.py::anatomy",
     "python 02-data-parallel/train_llm.py": "test_ch02_data_parallel.py::runs",
     "torchrun --standalone --nproc-per-node=2 03-ddp/train_llm.py": "test_ch03_ddp.py::ddp",
     "python 03-ddp/train_llm.py --max-steps 20": "test_ch03_ddp.py::accum",
