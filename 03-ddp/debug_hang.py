@@ -30,6 +30,7 @@ from common.cli import one_of, positive_int, script_parser  # noqa: E402
 from common.distributed import start_demo  # noqa: E402
 
 GRAD_NUMEL = 1000  # the stand-in for one gradient bucket
+LINGER_S = 3  # after a failure, time for the other ranks to print theirs
 
 
 def parse_args(argv=None):
@@ -89,6 +90,9 @@ def main():
         dist.barrier()
     except RuntimeError as e:  # gloo raises in the waiting ranks
         print(f"rank {rank} failed in step {step}: {e}", flush=True)
+        # Linger before exiting: torchrun stops the other ranks as soon as one exits, and a
+        # rank that has not printed its own report yet would be cut off.
+        time.sleep(LINGER_S)
         return 1
     # After a failure the group is broken and tearing it down could block; torchrun ends
     # the other ranks anyway. Here nothing failed.

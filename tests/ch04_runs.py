@@ -28,11 +28,13 @@ def flags(save_dir, *extra):
             "--save-dir", save_dir, "--experiment-name", NAME, *extra]
 
 
-def train(save_dir, *extra, restarts=0, check=True, env=None):
+def train(save_dir, *extra, restarts=0, check=True, env=None, warm=True):
     """The chapter's command: torchrun, 2 processes on the CPU (gloo). A run takes
-    seconds; the short timeout turns a hang into a failure soon."""
-    cmd = torchrun_cmd(2, SCRIPT, *flags(save_dir, *extra), extra=[f"--max-restarts={restarts}"])
-    return run(cmd, check=check, timeout=120, env=env)
+    seconds; the short timeout turns a hang into a failure soon. Restarts are torchrun's
+    own work: with them, the real torchrun runs the job."""
+    cmd = torchrun_cmd(2, SCRIPT, *flags(save_dir, *extra),
+                       extra=[f"--max-restarts={restarts}"] if restarts else [])
+    return run(cmd, check=check, timeout=120, env=env, warm=warm)
 
 
 def start_job(cmd, log, until, timeout=240, env=None):
