@@ -89,6 +89,9 @@ def main():
             validate(args.timeout + 60)
         dist.barrier()
     except RuntimeError as e:  # gloo raises in the waiting ranks
+        # One rank after another: DETAIL's reports are long, and two ranks writing to one
+        # terminal at once would splice their lines together.
+        time.sleep(0.5 * rank)
         print(f"rank {rank} failed in step {step}: {e}", flush=True)
         # Linger before exiting: torchrun stops the other ranks as soon as one exits, and a
         # rank that has not printed its own report yet would be cut off.

@@ -250,13 +250,12 @@ def collectives_steps(args, out, step, torchrun) -> list[Step]:
               "--seq-length", str(sizes.seq_length), "--batch-size", str(sizes.batch_size),
               "--steps", str(scratch_steps), *modes, "--save-dir", out,
               "--experiment-name", "05-ddp-from-scratch"], env, note),
-        # --- issue 17: sharded training rebuilt from collectives (ZeRO-1, ZeRO-3, FSDP2) ---
+        # sharded training rebuilt from collectives (ZeRO-1, ZeRO-3, FSDP2)
         step(d, "05-sharded-from-scratch", torchrun(n),
              [f"{d}/sharded_from_scratch.py", "--model-preset", sizes.preset,
               "--seq-length", str(sizes.seq_length), "--batch-size", str(sizes.batch_size),
               "--steps", str(scratch_steps), "--timing-warmup", str(min(2, scratch_steps - 1)),
               "--save-dir", out, "--experiment-name", "05-sharded-from-scratch"], env, note),
-        # --- end issue 17 ---
         step(d, "05-overlap-timeline", torchrun(n),
              [f"{d}/overlap_timeline.py", "--model-preset", sizes.preset,
               "--seq-length", str(sizes.seq_length), "--batch-size", str(sizes.batch_size),
