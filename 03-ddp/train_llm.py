@@ -134,10 +134,7 @@ def main():
     log.info("model: %s preset, %.2f M parameters (%s)", args.model_preset, n_params / 1e6,
              describe(config))
     raw_model = model  # the bare module: its weights are what we save
-    # --compile: the module, in place, before DDP wraps it: dynamo's DDP optimizer then cuts
-    # its graph at the buckets' borders, so all-reduces still start during backward. (A
-    # compiled loss function around DDP, chapter 01's way, breaks at DDP's forward.)
-    if args.compile:
+    if args.compile:  # the module, before DDP wraps it (README: "DDP and --compile")
         model.compile()
     if distributed:
         # DDP broadcasts rank 0's weights to every rank, then registers hooks that
