@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.cli import comma_list, non_negative_int, one_of, positive_int, script_parser  # noqa: E402
 from common.distributed import first_error, gc_and_destroy_process_group, start_demo  # noqa: E402
 from common.environment import device_name, environment_info  # noqa: E402
-from common.errors import UsageError  # noqa: E402
+from common.errors import UsageError, run_main  # noqa: E402
 from common.jsonfiles import write_json  # noqa: E402
 from common.proof import max_over_ranks  # noqa: E402
 from common.runfolder import claim_run_folder  # noqa: E402
@@ -296,4 +296,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main, "try a smaller --max-bytes"))

@@ -24,6 +24,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.cli import one_of, script_parser  # noqa: E402
 from common.distributed import gc_and_destroy_process_group, start_demo  # noqa: E402
+from common.errors import run_main  # noqa: E402
 
 OPS = ("all_reduce", "reduce", "broadcast", "all_gather", "gather", "scatter",
        "reduce_scatter", "all_to_all", "barrier")
@@ -339,4 +340,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -32,6 +32,7 @@ from common.cli import comma_list, non_negative_int, positive_float, positive_in
 from common.data import IGNORE_INDEX, fixed_batches, show_progress  # noqa: E402
 from common.distributed import DDP_NO_BUFFER_SYNC, gc_and_destroy_process_group, start_demo  # noqa: E402
 from common.environment import device_name, environment_info  # noqa: E402
+from common.errors import MODEL_OOM_ADVICE, run_main  # noqa: E402
 from common.jsonfiles import write_json  # noqa: E402
 from common.model import LlamaForCausalLM, get_config, num_parameters  # noqa: E402
 from common.proof import (exact_kernels, max_difference_to_rank0, max_over_ranks,  # noqa: E402
@@ -380,4 +381,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main, MODEL_OOM_ADVICE))

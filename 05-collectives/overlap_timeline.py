@@ -37,6 +37,7 @@ from common.cli import comma_list, non_negative_int, positive_float, script_pars
 from common.data import fixed_batches, show_progress  # noqa: E402
 from common.distributed import gc_and_destroy_process_group, start_demo  # noqa: E402
 from common.environment import device_name, environment_info  # noqa: E402
+from common.errors import MODEL_OOM_ADVICE, run_main  # noqa: E402
 from common.jsonfiles import write_json  # noqa: E402
 from common.model import get_config  # noqa: E402
 from common.runfolder import claim_run_folder  # noqa: E402
@@ -143,4 +144,4 @@ def report(args, demo, steps, run_dir):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main, MODEL_OOM_ADVICE))

@@ -56,9 +56,9 @@ from common.checkpoint_folder import commit_on_rank0  # noqa: E402
 from common.cli import positive_int, script_parser  # noqa: E402
 from common.data import IGNORE_INDEX, fixed_batches  # noqa: E402
 from common.distributed import first_error, gc_and_destroy_process_group, start_demo  # noqa: E402
-from common.durable import (atomic_write, check_files, fsync_dir, fsync_write, one_line,  # noqa: E402
-                            read_manifest, sha256_of, write_manifest)
-from common.errors import UsageError, fail  # noqa: E402
+from common.durable import (atomic_write, check_files, fsync_dir, fsync_write, is_disk_full,  # noqa: E402
+                            one_line, read_manifest, sha256_of, write_manifest)
+from common.errors import MODEL_OOM_ADVICE, UsageError, fail, run_main  # noqa: E402
 from common.model import LlamaForCausalLM, get_config  # noqa: E402
 from common.proof import exact_kernels  # noqa: E402
 from common.tables import markdown_table  # noqa: E402
@@ -223,16 +223,33 @@ def save_sharded(model, optimizer, step_dir: Path, run_settings: dict, step: int
     # torch.optim uses), so it can be matched to the parameters on any number of ranks.
     model_state, optim_state = get_state_dict(model, optimizer)
 
-    write_reference(model, optimizer, reference_path(step_dir), demo)  # for the proof only
-    if demo.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # debris of an earlier kill
-        tmp.mkdir()
-    dist.barrier()  # the folder exists (on the shared file system) before anyone writes
+    error = None
+    try:
+        write_reference(model, optimizer, reference_path(step_dir), demo)  # for the proof only
+        if demo.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # debris of an earlier kill
+            tmp.mkdir()
+    except (OSError, RuntimeError) as e:  # torch.save says "disk full" as a RuntimeError
+        error = write_failure(e, run_dir)
+    # every rank hears of a failure; and the folder exists (on the shared file system)
+    # before anyone writes into it
+    error = first_error(error)
 
     # The sharded save: each rank writes __<rank>_0.distcp with its own pieces, all at once;
     # rank 0 (the coordinator) then writes .metadata: tensor -> pieces -> file, offset, length.
     # A tensor every rank holds whole (AdamW's step count) is written once, by one rank.
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
+    if error is None:
+        try:
+            dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
+        except CheckpointException as e:  # raised on every rank when any rank's write failed
+            error = write_failure(e, run_dir)
+    if error:
+        if demo.rank == 0:  # never leave a full disk fuller, nor a reference without its checkpoint
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not step_dir.exists():
+                reference_path(step_dir).unlink(missing_ok=True)
+        fail(f"{error}; nothing was saved: free some space (or fix the folder), then run again",
+             status=1)
     # Each rank checksums the file it wrote, all at once (1/W of the bytes each); rank 0
     # gets them all, and hashes only the small .metadata itself.
     digests = [None] * demo.world
@@ -281,14 +298,33 @@ def load_sharded(model, optimizer, step_dir: Path, demo):
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
-def dcp_failure(e: CheckpointException) -> str:
-    """The first failed rank's error inside DCP's exception, whose str() is a traceback
-    per failed rank; `failures` maps each to (exception, traceback)."""
+def write_failure(e: BaseException, where: Path) -> str:
+    """A failed save as one line. A full disk is named as such (torch.save's zip writer
+    says it as "unexpected pos"); an error that is no write error is raised again."""
+    inner = first_failure(e)[1] if isinstance(e, CheckpointException) else e
+    if is_disk_full(inner, where):
+        return f"disk full while saving into {where} ({shutil.disk_usage(where).free / 2**20:,.1f} MB free)"
+    if isinstance(e, CheckpointException):
+        return f"the sharded save into {where} failed: {dcp_failure(e)}"
+    if isinstance(e, OSError):
+        return f"writing into {where} failed ({one_line(e)})"
+    raise e
+
+
+def first_failure(e: CheckpointException) -> tuple[int | None, object]:
+    """The first failed rank and its error inside DCP's exception, whose str() is a
+    traceback per failed rank; `failures` maps each rank to (exception, traceback)."""
     failures = getattr(e, "failures", None) or {}
     for rank in sorted(failures):
-        inner = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
-        return f"rank {rank}: {one_line(inner) if isinstance(inner, BaseException) else inner}"
-    return type(e).__name__
+        return rank, failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
+    return None, e
+
+
+def dcp_failure(e: CheckpointException) -> str:
+    rank, inner = first_failure(e)
+    if rank is None:
+        return type(e).__name__
+    return f"rank {rank}: {one_line(inner) if isinstance(inner, BaseException) else inner}"
 
 
 # ------------------------------------------------------------------------- showing it
@@ -383,4 +419,4 @@ def file_table(step_dir: Path, world: int) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main, MODEL_OOM_ADVICE))

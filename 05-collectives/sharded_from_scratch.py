@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.cli import comma_list, non_negative_int, positive_int, script_parser  # noqa: E402
 from common.data import IGNORE_INDEX, fixed_batches, show_progress  # noqa: E402
 from common.distributed import DDP_NO_BUFFER_SYNC, gc_and_destroy_process_group, start_demo  # noqa: E402
-from common.errors import UsageError  # noqa: E402
+from common.errors import MODEL_OOM_ADVICE, UsageError, run_main  # noqa: E402
 from common.model import LlamaForCausalLM, get_config, num_parameters  # noqa: E402
 from common import proof, sharding  # noqa: E402
 
@@ -363,4 +363,4 @@ def prove(trainers, args):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main, MODEL_OOM_ADVICE))

@@ -247,12 +247,26 @@ def _checked(name: str, dataset, text_column: str):
 
 # ----------------------------------------------------------------------- tokenizer
 
+def cache_unwritable(folder: Path, e: OSError) -> DataError:
+    """The one line for a cache folder that cannot take a file (read-only, full, not a
+    folder): what failed, and the two ways out."""
+    why = e.strerror or type(e).__name__
+    return DataError(f"the cache folder {folder} cannot be written ({why}); free space there, "
+                     f"or point --cache-dir (or $LLM_GUIDE_CACHE) at a writable folder")
+
+
 def _atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+        raise cache_unwritable(path.parent, e) from None
 
 
 def train_tokenizer(texts, vocab_size: int = DEFAULT_VOCAB_SIZE):
@@ -482,20 +496,26 @@ def write_token_files(path: Path, tokenize, tok, meta: dict, val_fraction: float
     forced to disk first), so a killed run leaves no half cache and two jobs that build
     it at once both end up reading one complete copy."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".tmp-{path.name}-"))
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".tmp-{path.name}-"))
         (tmp / "scratch").mkdir()
+    except OSError as e:
+        raise cache_unwritable(path.parent, e) from None
+    try:
         tokenized = tokenize(tmp / "scratch")
         dtype, eot_id = token_dtype(tok.get_vocab_size()), tok.token_to_id(EOT)
-        counts = _write_split_files(tokenized, split_mask(len(tokenized), val_fraction, split_seed),
-                                    eot_id, dtype, tmp)
-        del tokenized
-        shutil.rmtree(tmp / "scratch", ignore_errors=True)
-        meta = {"format": TOKEN_FORMAT, "dtype": dtype.name, **meta,
-                "tokenizer_sha256": _tokenizer_hash(tok), "eot_id": eot_id,
-                "val_fraction": val_fraction, "split_seed": split_seed, **counts}
-        fsync_write(tmp / "meta.json", lambda f: f.write(json.dumps(meta, indent=1).encode()))
+        try:  # a full disk here is the cache's problem, not the corpus's
+            counts = _write_split_files(tokenized, split_mask(len(tokenized), val_fraction,
+                                                              split_seed), eot_id, dtype, tmp)
+            del tokenized
+            shutil.rmtree(tmp / "scratch", ignore_errors=True)
+            meta = {"format": TOKEN_FORMAT, "dtype": dtype.name, **meta,
+                    "tokenizer_sha256": _tokenizer_hash(tok), "eot_id": eot_id,
+                    "val_fraction": val_fraction, "split_seed": split_seed, **counts}
+            fsync_write(tmp / "meta.json", lambda f: f.write(json.dumps(meta, indent=1).encode()))
+        except OSError as e:
+            raise cache_unwritable(path.parent, e) from None
         try:
             os.rename(tmp, path)  # atomic; fails if another job's copy is already there
             fsync_dir(path.parent)

@@ -129,10 +129,15 @@ def out_of_memory(e: BaseException) -> bool:
         isinstance(e, RuntimeError) and any(k in str(e).lower() for k in OUT_OF_MEMORY))
 
 
-def run_main(main):
+TRAINING_OOM_ADVICE = ("try a smaller --batch-size (per process), and a larger --grad-accum "
+                       "to keep the global batch")
+MODEL_OOM_ADVICE = "try a smaller --batch-size, --seq-length or --model-preset"
+
+
+def run_main(main, oom_advice: str = TRAINING_OOM_ADVICE):
     """main(), with Ctrl-C as one line, a lost peer or network as one line per process
     (`explain_peer_failures`), and a batch that does not fit in memory as one line
-    naming the flag to lower, instead of a traceback on every rank."""
+    naming the flag to lower (`oom_advice`), instead of a traceback on every rank."""
     try:
         with explain_peer_failures():
             return main()
@@ -140,8 +145,7 @@ def run_main(main):
         if not out_of_memory(e):
             raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        fail(f"out of memory ({first[:200]}): try a smaller --batch-size (per process), "
-             f"and a larger --grad-accum to keep the global batch", status=1)
+        fail(f"out of memory ({first[:200]}): {oom_advice}", status=1)
     except KeyboardInterrupt:
         if int(os.environ.get("RANK") or 0) == 0:
             print("\ninterrupted (Ctrl-C); nothing after the last completed step was saved",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -120,6 +121,45 @@ def test_a_shard_dcp_cannot_read_is_one_line_not_a_traceback(saved, one_rank, tm
     assert stop.value.code == 2 and len(err.splitlines()) == 1, err
     assert err.startswith(f"error: checkpoint {step_dir} cannot be loaded: rank 0: FileNotFoundError") \
         and "__0_0.distcp" in err, err
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A tmpfs of a given size in bytes (mount needs root; skipped where it fails)."""
+    mounted = []
+
+    def mount(size: int) -> Path:
+        disk = tmp_path / f"disk-{len(mounted)}"
+        disk.mkdir()
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a small tmpfs here: {proc.stderr.strip()}")
+        mounted.append(disk)
+        return disk
+    yield mount
+    for disk in mounted:
+        subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+@pytest.mark.parametrize("room", [0.5, 1.5], ids=["reference-write", "dcp-write"])
+def test_a_full_disk_during_the_save_is_one_line_and_leaves_nothing(saved, one_rank, small_disk, capsys, room):
+    """A disk with room for half the state (the proof's reference fails) or one and a half
+    (the reference fits, DCP's shard does not): exit status 1, one line naming the cause,
+    and the run folder as it was (no .tmp- folder, no reference without its checkpoint)."""
+    step_dir = saved[0] / STEP
+    model, optimizer = fresh_model(step_dir)
+    ckpt.load_sharded(model, optimizer, step_dir, one_rank)  # AdamW's moments too
+    whole = ckpt.reference_path(step_dir).stat().st_size
+    run_dir = small_disk(int(room * whole)) / "run"
+    run_dir.mkdir()
+    with pytest.raises(SystemExit) as stop:
+        ckpt.save_sharded(model, optimizer, run_dir / "step-00000004", {}, 4, one_rank)
+    err = capsys.readouterr().err
+    assert stop.value.code == 1 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"error: disk full while saving into {run_dir} ("), err
+    assert "nothing was saved" in err and "Traceback" not in err, err
+    assert list(run_dir.iterdir()) == []
 
 
 def test_a_deleted_shard_is_refused_by_the_manifest(saved, tmp_path, monkeypatch, capsys):

@@ -182,6 +182,28 @@ def test_out_of_memory_in_a_chapter_step(tmp_path, capsys, monkeypatch):
     err = [l for l in capsys.readouterr().err.splitlines() if l.startswith("error")]
     assert len(err) == 1 and "not enough memory" in err[0] and "--batch-size" in err[0], err
 
+# The hang demo shows what a failed collective prints: its own report is the lesson.
+SHOWS_ITS_OWN_FAILURE = {"03-ddp/debug_hang.py"}
+
+
+def test_every_script_a_reader_runs_goes_through_run_main():
+    """Ctrl-C, a lost peer and a batch too large for memory are one line in every script
+    (the tests above prove what run_main does with them), not only in train_llm.py."""
+    import ast
+    checked = 0
+    for path in sorted(REPO.glob("0*/*.py")):
+        script = path.relative_to(REPO).as_posix()
+        tree = ast.parse(path.read_text())
+        main_block = [n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
+        if not main_block:
+            continue  # a chapter's module (checkpoint.py...), not a script
+        checked += 1
+        calls = {node.func.id for block in main_block for node in ast.walk(block)
+                 if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
+        assert ("run_main" in calls) == (script not in SHOWS_ITS_OWN_FAILURE), script
+    assert checked == 13
+
+
 SCRIPTS_AND_BAD_FLAGS = [
     ("03-ddp/train_llm.py", ["--batch-size", "0"], "--batch-size"),
     ("04-checkpointing/train_llm.py", ["--keep-last", "0"], "--keep-last"),

@@ -317,6 +317,38 @@ def test_unreadable_local_files_are_one_line_data_errors(tmp_path, name, content
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
+def test_a_cache_that_cannot_be_written_is_one_line_and_leaves_nothing(corpus_dir, tmp_path, monkeypatch):
+    """A cache folder where a file stands, a read-only one (the tokenizer's write), and a
+    disk that fills while the token files are written: one DataError line that names
+    the folder and the flag, and no temporary file left behind."""
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    with pytest.raises(DataError, match=r"cache folder .*a-file/cache cannot be written .*--cache-dir") as err:
+        build_datasets(str(corpus_dir), 16, vocab_size=VOCAB, cache_dir=blocked / "cache")
+    one_line(err)
+
+    def read_only(*a, **k):
+        raise OSError(30, "Read-only file system")
+    with monkeypatch.context() as m:
+        m.setattr(data.tempfile, "mkstemp", read_only)
+        with pytest.raises(DataError, match="cannot be written .Read-only file system.") as err:
+            build_datasets(str(corpus_dir), 16, vocab_size=VOCAB, cache_dir=tmp_path / "ro")
+        one_line(err)
+    assert not list((tmp_path / "ro").iterdir())
+
+    real_fsync = data.os.fsync
+    def disk_full(fd):
+        raise OSError(28, "No space left on device")
+    with monkeypatch.context() as m:
+        m.setattr(data.os, "fsync", disk_full)   # the token files' own fsync fails
+        with pytest.raises(DataError, match="cannot be written .No space left on device.") as err:
+            build_datasets(str(corpus_dir), 16, vocab_size=VOCAB, cache_dir=tmp_path / "full")
+        one_line(err)
+    assert data.os.fsync is real_fsync
+    left = sorted(p.name for p in (tmp_path / "full").iterdir())
+    assert len(left) == 1 and left[0].startswith("tokenizer-"), left  # no half token folder
+
+
 @pytest.mark.parametrize("damage", ["truncated", "offsets", "meta"])
 def test_a_damaged_token_cache_says_how_to_rebuild_it(tmp_path, damage):
     corpus = tmp_path / "c.txt"
