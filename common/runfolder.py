@@ -150,6 +150,21 @@ def _take_over(lock: Path, holder: str) -> bool:
     return True
 
 
+def _not_in_forked_children():
+    """In a forked child (a DataLoader worker): let go of this process's run folders. The
+    child's copy of a lock descriptor would keep the folder locked for as long as the
+    child lives: a worker whose trainer was killed lingers for seconds, and a rerun right
+    away would be refused. Closing the copy leaves the trainer's lock in place (a flock
+    belongs to the open file, which the trainer still holds open)."""
+    for held in _held:
+        if isinstance(held, int):
+            os.close(held)
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_not_in_forked_children)
+
+
 def release_run_folders():
     """Give up every run folder this process holds (at exit, however it exits but a kill:
     the kernel drops a flock then; a lock file stays, stale, and is taken over)."""

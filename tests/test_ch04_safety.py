@@ -335,3 +335,32 @@ def test_lustre_localflock_is_not_trusted(tmp_path, lock_file_only, monkeypatch)
     monkeypatch.setattr(runfolder, "MOUNTS", str(mounts))
     claim_run_folder(tmp_path / NAME)
     assert "Lustre mounted with localflock locks per node only" in lock_file_only()[0]
+
+
+def test_a_worker_that_outlives_its_trainer_does_not_hold_the_run_folder(tmp_path):
+    """A trainer claims the folder, forks a child (as the DataLoader forks its workers)
+    and dies at once (os._exit: no cleanup, as a killed rank): the child lives on for
+    seconds, and a rerun claiming the folder at once is not refused."""
+    run_dir = tmp_path / NAME
+    read_end, write_end = os.pipe()
+    trainer = os.fork()
+    if trainer == 0:
+        try:
+            claim_run_folder(run_dir)
+            worker = os.fork()
+            if worker == 0:
+                time.sleep(60)
+                os._exit(0)
+            os.write(write_end, f"{worker}\n".encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    os.waitpid(trainer, 0)
+    worker = int(os.read(read_end, 64))
+    os.close(read_end)
+    try:
+        assert os.path.exists(f"/proc/{worker}")  # alive, with its copy of the descriptors
+        claim_run_folder(run_dir, resumes=True)   # refused before: "in use by pid <trainer>"
+    finally:
+        os.kill(worker, signal.SIGKILL)
+        runfolder.release_run_folders()
