@@ -3,6 +3,7 @@ the chapter scripts as a user would launch them (python or torchrun, as subproce
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
@@ -20,16 +21,35 @@ TINY = ["--model-preset", "tiny", "--seq-length", "64", "--batch-size", "4",
         "--log-freq", "1", "--val-batches", "2", "--warmup-steps", "2", "--num-workers", "0"]
 
 
+def made_once(tmp_path_factory, name: str, make):
+    """A session fixture's value, made once for the whole test run. Under pytest-xdist
+    (`-n`) every worker is a session of its own: the first worker that asks makes it,
+    under a lock, in a folder all workers share; the others wait, then read it. `make`
+    gets that folder and returns something JSON can hold."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's folder; each worker's basetemp is inside it
+    folder, done = root / name, root / f"{name}.json"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            folder.mkdir(exist_ok=True)
+            done.write_text(json.dumps(make(folder)))
+    return json.loads(done.read_text())
+
+
 @pytest.fixture(scope="session", autouse=True)
 def guide_cache(tmp_path_factory):
     """Every test and every subprocess shares one cache, filled once here, so runs
     that start together never race to train the same tokenizer."""
-    cache = tmp_path_factory.mktemp("llm-guide-cache")
-    os.environ["LLM_GUIDE_CACHE"] = str(cache)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     from common.data import build_datasets
 
-    build_datasets("stdlib", seq_len=64, cache_dir=cache)
+    def fill(cache):
+        build_datasets("stdlib", seq_len=64, cache_dir=cache)
+        return str(cache)
+    cache = Path(made_once(tmp_path_factory, "llm-guide-cache", fill))
+    os.environ["LLM_GUIDE_CACHE"] = str(cache)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     return cache
 
 
@@ -103,13 +123,23 @@ def load_script(rel_path: str):
     return module
 
 
+def as_json(proc: subprocess.CompletedProcess) -> dict:
+    return {"args": proc.args, "returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}
+
+
+def from_json(d: dict) -> subprocess.CompletedProcess:
+    return subprocess.CompletedProcess(d["args"], d["returncode"], d["stdout"], d["stderr"])
+
+
 @pytest.fixture(scope="session")
 def uninterrupted(tmp_path_factory):
-    """Chapter 04's reference run, which every resumed run must match: (process, run folder)."""
+    """Chapter 04's reference run, which every resumed run must match: (process, run folder).
+    Tests read it and copy it; none changes it."""
     from ch04_runs import NAME, train
 
-    save_dir = tmp_path_factory.mktemp("ch04-ref")
-    return train(save_dir, warm=False), save_dir / NAME  # the README's command, real torchrun
+    made = made_once(tmp_path_factory, "ch04-ref",  # the README's command, real torchrun
+                     lambda save_dir: {"proc": as_json(train(save_dir, warm=False)), "dir": str(save_dir)})
+    return from_json(made["proc"]), Path(made["dir"]) / NAME
 
 
 @pytest.fixture(scope="session")
@@ -118,8 +148,9 @@ def crashed(tmp_path_factory):
     10, with the checkpoints of steps 4 and 8 left. (process, run folder)"""
     from ch04_runs import CRASH, NAME, train
 
-    save_dir = tmp_path_factory.mktemp("ch04-crashed")
-    return train(save_dir, "--crash-at-step", CRASH, check=False), save_dir / NAME
+    made = made_once(tmp_path_factory, "ch04-crashed", lambda save_dir: {
+        "proc": as_json(train(save_dir, "--crash-at-step", CRASH, check=False)), "dir": str(save_dir)})
+    return from_json(made["proc"]), Path(made["dir"]) / NAME
 
 
 # Chapter 01's reference run: the smoke run chapter 01's tests inspect, and the run
@@ -133,12 +164,15 @@ NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}
 def ch01_smoke(tmp_path_factory):
     """One 40-step run of the tiny preset, from the repo root with plain python:
     (process, run folder, metrics records, summary)."""
-    save_dir = tmp_path_factory.mktemp("ch01")
-    proc = run(python_cmd("01-single-gpu/train_llm.py", *TINY, "--max-steps", CH01_STEPS,
-                          "--save-dir", save_dir, "--experiment-name", "smoke"), env=NO_GPU,
-               warm=False)  # the README's first command, in a fresh interpreter as a reader runs it
-    run_dir = save_dir / "smoke"
-    return proc, run_dir, read_jsonl(run_dir / "metrics.jsonl"), read_json(run_dir / "summary.json")
+    def smoke(save_dir):
+        proc = run(python_cmd("01-single-gpu/train_llm.py", *TINY, "--max-steps", CH01_STEPS,
+                              "--save-dir", save_dir, "--experiment-name", "smoke"), env=NO_GPU,
+                   warm=False)  # the README's first command, in a fresh interpreter as a reader runs it
+        return {"proc": as_json(proc), "dir": str(save_dir / "smoke")}
+    made = made_once(tmp_path_factory, "ch01", smoke)
+    run_dir = Path(made["dir"])
+    return from_json(made["proc"]), run_dir, read_jsonl(run_dir / "metrics.jsonl"), \
+        read_json(run_dir / "summary.json")
 
 
 def refused(capsys, parse, argv) -> str:

@@ -24,9 +24,9 @@ def runs(tmp_path_factory, ch01_smoke):
     which is the "ch01" entry."""
     save_dir = tmp_path_factory.mktemp("ch02")
     out = {"ch01": ch01_smoke[:2]}
-    for name, extra in RUNS.items():
+    for name, extra in RUNS.items():  # the README's command in a fresh interpreter, once
         proc = run(python_cmd(SCRIPT, *TINY, "--max-steps", STEPS, "--save-dir", save_dir,
-                              "--experiment-name", name, *extra), env=NO_GPU, warm=False)
+                              "--experiment-name", name, *extra), env=NO_GPU, warm=bool(extra))
         out[name] = (proc, save_dir / name)
     return out
 

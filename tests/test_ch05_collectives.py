@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import REPO, load_script, python_cmd, read_json, run, torchrun_cmd
-from common import sharding, timeline
+from common import sharding, timeline, tour
 
 CH = "05-collectives"
 DEMO, BENCH, SCRATCH = f"{CH}/collectives_demo.py", f"{CH}/bench_collectives.py", f"{CH}/ddp_from_scratch.py"
@@ -219,6 +219,8 @@ def test_benchmark_writes_busbw_with_the_right_factors(tmp_path):
             else:
                 assert r["bytes"] == r["requested_bytes"]
     assert result["bus_factors"]["all_reduce"] == pytest.approx(4 / 3)
+    table = tour.bench_table(result)  # the tour's report of this very file
+    assert "3 ranks, gloo" in table and "| 4 KiB " in table and "all_reduce" in table
 
 
 # ------------------------------------------------------- DDP rebuilt from collectives
@@ -238,6 +240,8 @@ def test_ddp_from_scratch_equals_ddp_bit_for_bit_on_2_ranks(tmp_path):
     assert result["world_size"] == 2 and result["backend"] == "gloo"
     modes = result["modes"]
     assert list(modes) == ["naive", "bucketed", "overlap", "ddp"]
+    table = tour.scratch_table(result)  # the tour's report of this very file
+    assert "every mode matches DDP" in table and "| bucketed " in table
     for mode in ("naive", "bucketed", "overlap"):
         m = modes[mode]
         # two ranks: a + b == b + a, so every mode adds exactly the same numbers

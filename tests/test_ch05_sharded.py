@@ -19,7 +19,7 @@ from conftest import REPO, load_script, python_cmd, read_json, run, torchrun_cmd
 
 SCRIPT = "05-collectives/sharded_from_scratch.py"
 sharded = load_script(SCRIPT)
-from common import plan, proof, sharding  # noqa: E402
+from common import plan, proof, sharding, tour  # noqa: E402
 from common.distributed import Demo  # noqa: E402
 from common.model import LlamaConfig  # noqa: E402
 
@@ -209,6 +209,8 @@ def test_every_mode_equals_ddp_bit_for_bit_on_2_ranks(tmp_path):
     assert result["proof_dtype"] == "fp64" and result["timing_dtype"] == "fp32"
     modes = result["modes"]
     assert list(modes) == ["ddp", "zero1", "zero3", "fsdp2"]
+    table = tour.sharded_tables(result)  # the tour's report of this very file
+    assert "every mode matches DDP" in table and "| zero3 " in table
     p_bytes = 4 * result["num_params"]
     for m, r in modes.items():
         # two ranks: a + b == b + a, and halving is exact, so nothing differs at all

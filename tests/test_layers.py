@@ -66,3 +66,57 @@ def test_the_library_imports_no_command_line_tool():
     leaks = {m: sorted(ALL[m] & TOOLS) for m in library if ALL[m] & TOOLS}
     assert not leaks, f"library modules that import a tool: {leaks}"
     assert set(MODULES) >= TOOLS
+
+
+def dotted(node) -> str | None:
+    """`a.b.c` for an attribute chain on a name, else None."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return ".".join([node.id, *reversed(parts)]) if isinstance(node, ast.Name) else None
+
+
+def test_no_file_reaches_a_torch_module_it_did_not_import():
+    """`torch.distributed.checkpoint.save(...)` works only where something imported
+    torch.distributed.checkpoint first. Most launches in this suite are forks of an
+    interpreter that has imported many of torch's modules (tests/zygote.py), where a
+    missing import would go unseen, and fail for a reader. So every use of a torch
+    module through attributes (`torch.x.y`, or `dist.x` after `import torch.distributed
+    as dist`) must name a module that the file imports, or that `import torch` loads."""
+    import importlib.util
+    import subprocess
+    import sys
+    loaded = set(subprocess.run([sys.executable, "-c", "import sys, torch; print(*sys.modules)"],
+                                capture_output=True, text=True, check=True).stdout.split())
+
+    def is_module(name):
+        try:
+            return importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            return False
+    files = [*REPO.glob("0*/*.py"), *COMMON.glob("*.py")]
+    missing = []
+    for path in files:
+        tree = ast.parse(path.read_text())
+        alias, imported = {"torch": "torch"}, set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    imported.add(a.name)
+                    if a.asname:
+                        alias[a.asname] = a.name
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                imported.add(node.module)
+                imported.update(f"{node.module}.{a.name}" for a in node.names)
+        for node in ast.walk(tree):
+            chain = dotted(node) if isinstance(node, ast.Attribute) else None
+            if not chain or chain.split(".")[0] not in alias:
+                continue
+            parts = [alias[chain.split(".")[0]], *chain.split(".")[1:]]
+            for i in range(2, len(parts)):  # each module named on the way to the attribute
+                name = ".".join(parts[:i])
+                if name.startswith("torch") and name not in loaded and name not in imported \
+                        and is_module(name):
+                    missing.append(f"{path.relative_to(REPO)}: {chain} needs `import {name}`")
+    assert not missing, "\n".join(sorted(set(missing)))

@@ -160,10 +160,6 @@ LAUNCHED_BY = {
         "test_ch05_collectives.py::test_one_op_only",
     "torchrun --standalone --nproc-per-node=3 05-collectives/collectives_demo.py --emulate":
         "test_ch05_collectives.py::test_every_collective_is_correct",
-    "torchrun --standalone --nproc-per-node=2 05-collectives/bench_collectives.py":
-        "test_tour.py::test_short_real_tour",
-    "torchrun --standalone --nproc-per-node=2 05-collectives/ddp_from_scratch.py":
-        "test_tour.py::test_short_real_tour",
     "torchrun --standalone --nproc-per-node=2 05-collectives/ddp_from_scratch.py --modes "
     "naive,bucketed,overlap,ddp --steps 12":
         "test_ch05_collectives.py::test_ddp_from_scratch_equals_ddp_bit_for_bit_on_2_ranks",
