@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import importlib.util
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -19,6 +20,21 @@ REPO = Path(__file__).resolve().parents[1]
 # Small settings every chapter smoke test uses.
 TINY = ["--model-preset", "tiny", "--seq-length", "64", "--batch-size", "4",
         "--log-freq", "1", "--val-batches", "2", "--warmup-steps", "2", "--num-workers", "0"]
+
+
+@pytest.fixture(autouse=True)
+def _no_logging_into_a_closed_stream():
+    """A chapter's main() run in this process sets up logging onto the test's captured
+    stdout (logging.basicConfig(force=True)); once the test ends, that stream is closed,
+    and a later test's warning would print "Logging error" tracebacks. Such a handler
+    goes with its test."""
+    root = logging.getLogger()
+    before, level = list(root.handlers), root.level
+    yield
+    for handler in list(root.handlers):
+        if type(handler) is logging.StreamHandler and handler not in before:
+            root.removeHandler(handler)
+    root.setLevel(level)
 
 
 def made_once(tmp_path_factory, name: str, make):
