@@ -30,8 +30,9 @@ def flags(save_dir, *extra):
 
 def train(save_dir, *extra, restarts=0, check=True, env=None, warm=True):
     """The chapter's command: torchrun, 2 processes on the CPU (gloo). A run takes
-    seconds; the short timeout turns a hang into a failure soon. Restarts are torchrun's
-    own work: with them, the real torchrun runs the job."""
+    seconds; the short timeout turns a hang into a failure soon. With `restarts`, a
+    crashed job starts again as torchrun would start it (conftest.run: the suite's warm
+    launcher counts TORCHELASTIC_RESTART_COUNT up; warm=False: torchrun itself)."""
     cmd = torchrun_cmd(2, SCRIPT, *flags(save_dir, *extra),
                        extra=[f"--max-restarts={restarts}"] if restarts else [])
     return run(cmd, check=check, timeout=120, env=env, warm=warm)

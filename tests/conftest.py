@@ -85,13 +85,14 @@ def run(cmd: list[str], *, timeout: float = 300, cwd: Path = REPO, env: dict | N
         check: bool = True, warm: bool = True) -> subprocess.CompletedProcess:
     """Run a command; stdout and stderr kept apart; on an unexpected status, fail with
     the output so the log says why. `python script ...` and `torchrun --standalone
-    --nproc-per-node=N script ...` run as forks of one interpreter that has imported torch
-    already (tests/zygote.py: the script, its arguments, environment and ranks are the
-    same; what is saved is `import torch` in every process). warm=False, a command with
-    other torchrun flags, and an environment that changes what torch reads at import
-    (TORCH_DISTRIBUTED_DEBUG...) start a fresh interpreter: the tests of what torchrun
-    itself does (signals to its group, restarts, its exit status and messages) run the
-    real one. LLM_GUIDE_COLD_LAUNCH=1 starts a fresh one for every launch."""
+    --nproc-per-node=N [--max-restarts=K] script ...` run as forks of one interpreter
+    that has imported torch already (tests/zygote.py: the script, its arguments,
+    environment, ranks and restart count are the same; what is saved is `import torch`
+    in every process). warm=False, a command with other torchrun flags, and an
+    environment that changes what torch reads at import (TORCH_DISTRIBUTED_DEBUG...)
+    start a fresh interpreter: the tests of what torchrun itself does (signals to its
+    group, a restart after a crash, its exit status and messages) run the real one.
+    LLM_GUIDE_COLD_LAUNCH=1 starts a fresh one for every launch."""
     global _zygote
     cmd = [str(c) for c in cmd]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}

@@ -43,7 +43,7 @@ def test_summary_reports_the_checkpoint_cost(uninterrupted):
 
 
 def test_torchrun_restart_after_a_crash_continues_exactly(tmp_path, uninterrupted):
-    proc = train(tmp_path, "--crash-at-step", CRASH, restarts=3)
+    proc = train(tmp_path, "--crash-at-step", CRASH, restarts=3, warm=False)  # torchrun's own restart
     run_dir = tmp_path / NAME
     assert f"injected crash after step {CRASH}" in proc.stdout + proc.stderr
     assert (run_dir / f"crash-injected-at-step-{CRASH}").exists()

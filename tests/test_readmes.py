@@ -143,7 +143,7 @@ LAUNCHED_BY = {
         "ch04_runs.py::train",  # with --experiment-name
     "torchrun --standalone --nproc-per-node=2 --max-restarts=3 04-checkpointing/train_llm.py "
     "--experiment-name crash-demo --max-steps 30 --ckpt-freq 10 --crash-at-step 15 --log-freq 1":
-        'test_ch04_checkpointing.py::train(tmp_path, "--crash-at-step", CRASH, restarts=3)',
+        'test_ch04_checkpointing.py::train(tmp_path, "--crash-at-step", CRASH, restarts=3, warm=False)',
     "torchrun --standalone --nproc-per-node=2 04-checkpointing/train_llm.py --experiment-name "
     "crash-demo --max-steps 30 --ckpt-freq 10 --fresh": 'test_ch04_checkpointing.py::train(tmp_path, "--fresh")',
     "torchrun --standalone --nproc-per-node=2 04-checkpointing/train_llm.py --experiment-name "

@@ -28,16 +28,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def as_launch(cmd: list[str]) -> tuple[int, list[str]] | None:
-    """(ranks, [script, args...]) when the command is one the zygote can run as is: plain
-    `python script.py ...` (0 ranks) or `torchrun --standalone --nproc-per-node=N script
-    ...` with no other torchrun flag; None for anything else."""
+def as_launch(cmd: list[str]) -> tuple[int, int, list[str]] | None:
+    """(ranks, restarts, [script, args...]) when the command is one the zygote can run as
+    is: plain `python script.py ...` (0 ranks) or `torchrun --standalone
+    --nproc-per-node=N [--max-restarts=K] script ...` with no other torchrun flag; None
+    for anything else."""
     if len(cmd) >= 2 and cmd[0] == sys.executable and cmd[1].endswith(".py"):
-        return 0, cmd[1:]
-    if cmd[:4] == TORCHRUN and len(cmd) >= 6 and cmd[4].startswith("--nproc-per-node=") \
-            and cmd[5].endswith(".py"):
-        return int(cmd[4].split("=", 1)[1]), cmd[5:]
-    return None
+        return 0, 0, cmd[1:]
+    if cmd[:4] != TORCHRUN or len(cmd) < 6 or not cmd[4].startswith("--nproc-per-node="):
+        return None
+    ranks, rest, restarts = int(cmd[4].split("=", 1)[1]), cmd[5:], 0
+    if rest[0].startswith("--max-restarts="):
+        restarts, rest = int(rest[0].split("=", 1)[1]), rest[1:]
+    return (ranks, restarts, rest) if rest and rest[0].endswith(".py") else None
 
 
 def import_time_settings(env: dict) -> dict:
@@ -76,11 +79,11 @@ class Zygote:
     def can_run(self, env: dict) -> bool:
         return import_time_settings(env) == self.settings
 
-    def run(self, nproc: int, argv: list[str], *, cwd, env: dict, timeout: float | None):
+    def run(self, nproc: int, restarts: int, argv: list[str], *, cwd, env: dict, timeout: float | None):
         with tempfile.TemporaryDirectory() as tmp:
             out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-            request = {"nproc": nproc, "argv": argv, "cwd": str(cwd), "env": env,
-                       "stdout": str(out), "stderr": str(err), "port": free_port()}
+            request = {"nproc": nproc, "max_restarts": restarts, "argv": argv, "cwd": str(cwd),
+                       "env": env, "stdout": str(out), "stderr": str(err), "port": free_port()}
             self.started = None
             self.proc.stdin.write((json.dumps(request) + "\n").encode())
             self.proc.stdin.flush()

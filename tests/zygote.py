@@ -6,7 +6,9 @@ It never runs a torch operation itself (no thread pool to inherit across fork). 
 request (one JSON line on stdin) names a script, its arguments, environment, folder and
 output files, and a number of ranks: 0 runs the script as `python script.py` would;
 N >= 1 runs N ranks with the variables torchrun gives its workers, under a small
-launcher process that, like torchrun, stops the other ranks when one fails and exits 1.
+launcher process that, like torchrun, stops the other ranks when one fails, starts them
+all again while `max_restarts` allows (TORCHELASTIC_RESTART_COUNT counts up), and
+otherwise exits 1.
 The reply lines on stdout: {"started": pid}, later {"pid": pid, "status": code}, where
 code is the exit status, or -signal. The pid is a process group leader: killpg stops
 all of a launch."""
@@ -17,6 +19,7 @@ import os
 import runpy
 import select
 import signal
+import socket
 import sys
 import time
 
@@ -34,6 +37,7 @@ PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.distributed.che
            "common.training"]
 STARTUP_PATH = list(sys.path)  # [this folder, the interpreter's own entries...]
 RANK_GRACE_S = 30  # torchrun's default grace between SIGTERM and SIGKILL of the others
+STOPPED = []  # signals the launcher got (a launcher process serves one launch)
 
 
 def become(request: dict, env: dict) -> None:
@@ -63,14 +67,35 @@ def redirect(request: dict) -> None:
     sys.stderr = os.fdopen(2, "w", buffering=1)
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def launch_ranks(request: dict) -> int:
-    """torchrun --standalone --nproc-per-node=N, as far as its workers can tell."""
+    """torchrun --standalone --nproc-per-node=N [--max-restarts=K], as far as its workers
+    can tell: when a rank fails, the others are stopped and, while restarts are left, all
+    ranks start again with TORCHELASTIC_RESTART_COUNT one higher (same job id, a new
+    port); with none left, the launcher exits 1."""
+    restarts = request.get("max_restarts", 0)
+    port = request["port"]
+    for attempt in range(restarts + 1):
+        if launch_attempt(request, attempt, restarts, port) == 0:
+            return 0
+        if STOPPED:
+            break
+        port = free_port()
+    return 1
+
+
+def launch_attempt(request: dict, attempt: int, restarts: int, port: int) -> int:
     n = request["nproc"]
-    base = {**request["env"], "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(request["port"]),
+    base = {**request["env"], "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
             "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n), "GROUP_RANK": "0",
             "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default", "ROLE_WORLD_SIZE": str(n),
-            "TORCHELASTIC_RUN_ID": f"warm-{os.getpid()}", "TORCHELASTIC_RESTART_COUNT": "0",
-            "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_USE_AGENT_STORE": "False"}
+            "TORCHELASTIC_RUN_ID": f"warm-{os.getpid()}", "TORCHELASTIC_RESTART_COUNT": str(attempt),
+            "TORCHELASTIC_MAX_RESTARTS": str(restarts), "TORCHELASTIC_USE_AGENT_STORE": "False"}
     ranks = {}
     for rank in range(n):
         pid = os.fork()
@@ -78,9 +103,14 @@ def launch_ranks(request: dict) -> int:
             become(request, {**base, "RANK": str(rank), "LOCAL_RANK": str(rank),
                              "ROLE_RANK": str(rank)})
         ranks[pid] = rank
-    # a signal to the launcher is passed on to the ranks, as torchrun's agent does
+    # a signal to the launcher is passed on to the ranks, as torchrun's agent does; and,
+    # as there, it ends the job: no restart follows
+    def pass_on(sig, _):
+        STOPPED.append(sig)
+        for p in ranks:
+            os.kill(p, sig)
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda s, _: [os.kill(p, s) for p in ranks])
+        signal.signal(sig, pass_on)
     failed = False
     deadline = None
     while ranks:
