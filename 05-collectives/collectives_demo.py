@@ -340,4 +340,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(run_main(main))
+    sys.exit(run_main(main, "its tensors are a few KB: free memory on the device (other programs)"))

@@ -19,9 +19,10 @@ import os
 import runpy
 import select
 import signal
-import socket
 import sys
 import time
+
+from warm import free_port  # this folder is on the path: the script's own
 
 # the point: imported once here, inherited by every fork (the repo's own modules too).
 # torch._dynamo is imported by the first optimizer any script builds (torch.optim's
@@ -65,12 +66,6 @@ def redirect(request: dict) -> None:
     sys.stdin = open(os.devnull)
     sys.stdout = os.fdopen(1, "w", buffering=1)
     sys.stderr = os.fdopen(2, "w", buffering=1)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch_ranks(request: dict) -> int:
