@@ -49,8 +49,9 @@ def test_a_hang_shows_every_stack_and_detail_names_the_missing_rank():
         assert len(pids) == 2, "".join(lines)
         time.sleep(1.5)  # rank 1 leaves its last step and sits in validate()
         t0 = time.perf_counter()
-        for pid in pids:
+        for pid in pids:  # one after another: two dumps at once into one pipe would splice
             os.kill(pid, signal.SIGUSR1)
+            time.sleep(0.5)
         out, err = proc.communicate(timeout=120)
         waited = time.perf_counter() - t0
     finally:
