@@ -78,8 +78,9 @@ def ch01_b8(save_dir):
 def ddp(save_dir, ch01_b8, ch01_b16):
     """2 processes x batch 8, torchrun --standalone. --save-dir already holds chapter 01
     runs with batch 8 and (newer) 16: the summary's scaling efficiency must pick the
-    one with the same per-process batch."""
-    proc = run(torchrun_cmd(2, SCRIPT, *train_args(save_dir, "ddp-2x8", 8)), warm=False)  # real torchrun
+    one with the same per-process batch. (Through the suite's warm launcher: the README's
+    command runs under torchrun itself in test_tour.py::test_short_real_tour.)"""
+    proc = run(torchrun_cmd(2, SCRIPT, *train_args(save_dir, "ddp-2x8", 8)))
     return proc, save_dir / "ddp-2x8"
 
 

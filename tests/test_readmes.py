@@ -160,6 +160,8 @@ LAUNCHED_BY = {
         "test_ch05_collectives.py::test_one_op_only",
     "torchrun --standalone --nproc-per-node=3 05-collectives/collectives_demo.py --emulate":
         "test_ch05_collectives.py::test_every_collective_is_correct",
+    "torchrun --standalone --nproc-per-node=2 05-collectives/ddp_from_scratch.py":
+        "test_ch05_collectives.py::test_ddp_from_scratch_equals_ddp_bit_for_bit_on_2_ranks",
     "torchrun --standalone --nproc-per-node=2 05-collectives/ddp_from_scratch.py --modes "
     "naive,bucketed,overlap,ddp --steps 12":
         "test_ch05_collectives.py::test_ddp_from_scratch_equals_ddp_bit_for_bit_on_2_ranks",
@@ -170,6 +172,9 @@ LAUNCHED_BY = {
         "test_ch05_sharded.py::test_every_mode_equals_ddp_bit_for_bit_on_2_ranks",
     "torchrun --standalone --nproc-per-node=4 05-collectives/sharded_from_scratch.py --steps 12":
         "test_ch05_sharded.py::test_every_mode_equals_ddp_within_the_rounding_bound",
+    "torchrun --standalone --nproc-per-node=3 05-collectives/sharded_from_scratch.py --model-preset tiny "
+    "--seq-length 64 --batch-size 4 --steps 3 --timing-warmup 1 --proof-steps 8 --lr 0.1":
+        "test_ch05_sharded.py::README_3_RANKS = ",
     "torchrun --standalone --nproc-per-node=2 05-collectives/overlap_timeline.py": "test_ch05_timeline.py::traced",
     "torchrun --standalone --nproc-per-node=2 05-collectives/sharded_checkpoint.py --experiment-name dcp-demo":
         "test_ch05_dcp.py::saved",
