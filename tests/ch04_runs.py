@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
-import subprocess
 import time
 
 import torch
 
-from conftest import REPO, TINY, read_jsonl, run, torchrun_cmd
+from conftest import TINY, read_jsonl, run, start, torchrun_cmd
+from warm import kill_launch
 
 SCRIPT = "04-checkpointing/train_llm.py"
 NAME = "run"
@@ -38,11 +36,11 @@ def train(save_dir, *extra, restarts=0, check=True, env=None, warm=True):
     return run(cmd, check=check, timeout=120, env=env, warm=warm)
 
 
-def start_job(cmd, log, until, timeout=240, env=None):
-    """A torchrun job in a session of its own, output to `log`; returns once `until()`
+def start_job(cmd, log, until, timeout=240, env=None, warm=True):
+    """A torchrun job the test acts on while it runs (conftest.start: through the warm
+    launcher unless warm=False), its output into the file `log`; returns once `until()`
     holds (or the job ended, or `timeout` passed)."""
-    job = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                           env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    job = start(cmd, log, env=env, warm=warm)
     deadline = time.monotonic() + timeout
     while job.poll() is None and time.monotonic() < deadline and not until():
         time.sleep(0.01)
@@ -51,15 +49,9 @@ def start_job(cmd, log, until, timeout=240, env=None):
 
 def kill_job(launcher_pid: int):
     """SIGKILL a torchrun job, launcher and workers at once, as a lost machine would.
-    torchrun starts each worker in a session of its own, so the launcher's process group
-    alone would leave the workers running."""
-    workers = subprocess.run(["pgrep", "-P", str(launcher_pid)], capture_output=True,
-                             text=True).stdout.split()
-    for pgid in [launcher_pid, *map(int, workers)]:
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    torchrun starts each worker in a session of its own (so does the warm launcher), so
+    the launcher's process group alone would leave the workers running."""
+    kill_launch(launcher_pid)
 
 
 def step_dir(step: int) -> str:

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from warm import Zygote, as_launch, free_port
+from warm import WarmJob, Zygote, as_launch, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -93,13 +93,10 @@ def run(cmd: list[str], *, timeout: float = 300, cwd: Path = REPO, env: dict | N
     start a fresh interpreter: the tests of what torchrun itself does (signals to its
     group, a restart after a crash, its exit status and messages) run the real one.
     LLM_GUIDE_COLD_LAUNCH=1 starts a fresh one for every launch."""
-    global _zygote
     cmd = [str(c) for c in cmd]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    launch = as_launch(cmd) if warm and not os.environ.get("LLM_GUIDE_COLD_LAUNCH") else None
-    if launch is not None and _zygote is None:
-        _zygote = Zygote(REPO)
-    if launch is not None and _zygote.can_run(full_env):
+    launch = warm_launch(cmd, full_env, warm)
+    if launch is not None:
         code, out, err = _zygote.run(*launch, cwd=cwd, env=full_env, timeout=timeout)
         proc = subprocess.CompletedProcess(cmd, code, out, err)
     else:
@@ -109,6 +106,31 @@ def run(cmd: list[str], *, timeout: float = 300, cwd: Path = REPO, env: dict | N
         pytest.fail(f"{' '.join(map(str, cmd))} exited {proc.returncode}\n"
                     f"--- stdout\n{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-6000:]}")
     return proc
+
+
+def warm_launch(cmd: list[str], env: dict, warm: bool):
+    """What the zygote is to launch for cmd, or None when cmd needs a fresh interpreter."""
+    global _zygote
+    launch = as_launch(cmd) if warm and not os.environ.get("LLM_GUIDE_COLD_LAUNCH") else None
+    if launch is not None and _zygote is None:
+        _zygote = Zygote(REPO)
+    return launch if launch is not None and _zygote.can_run(env) else None
+
+
+def start(cmd: list[str], log: Path, *, env: dict | None = None, warm: bool = True, cwd: Path = REPO):
+    """Start a command that the test acts on while it runs (signals, kills); stdout and
+    stderr appended to `log`. Popen-like (pid, poll, wait, returncode), as `run` chooses:
+    a launch of the warm interpreter, whose ranks are the launcher's children in sessions
+    of their own as torchrun's workers are, or the command itself in a new session."""
+    cmd = [str(c) for c in cmd]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    launch = warm_launch(cmd, full_env, warm)
+    if launch is not None:
+        pid = _zygote.start(*launch, cwd=cwd, env=full_env, stdout=log, stderr=log)
+        return WarmJob(_zygote, pid, cmd)
+    with open(log, "a") as out:
+        return subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
 
 
 def python_cmd(script: str | Path, *args) -> list[str]:

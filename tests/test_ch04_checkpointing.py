@@ -7,18 +7,16 @@ from __future__ import annotations
 
 import os
 import pickle
-import subprocess
-import time
 
 import pytest
 import torch
 
 from ch04_runs import (CRASH, FREQ, NAME, SCRIPT, STEPS, assert_same_as_uninterrupted, copy_run, flags,
-                       kill_job, snapshot, step_dir, train)
+                       kill_job, snapshot, start_job, step_dir, train)
 from common.checkpoint_folder import run_settings
 from common.data import build_datasets
 from common.durable import write_manifest
-from conftest import REPO, load_script, python_cmd, read_json, read_jsonl, run, torchrun_cmd
+from conftest import load_script, python_cmd, read_json, read_jsonl, run, torchrun_cmd
 
 
 def test_uninterrupted_run_keeps_the_last_k_checkpoints(uninterrupted):
@@ -56,21 +54,16 @@ def test_torchrun_restart_after_a_crash_continues_exactly(tmp_path, uninterrupte
 def test_rerun_after_sigkill_of_the_whole_job_continues_exactly(tmp_path, uninterrupted):
     """SIGKILL to every process of the job (no cleanup, no atexit) at whatever moment
     the run has passed its first checkpoint; then the same command again."""
-    cmd = [str(c) for c in torchrun_cmd(2, SCRIPT, *flags(tmp_path))]
+    cmd = torchrun_cmd(2, SCRIPT, *flags(tmp_path))
     metrics = tmp_path / NAME / "metrics.jsonl"
 
     def steps_logged():
         return metrics.read_text().count("\n") if metrics.exists() else 0
 
-    with open(tmp_path / "killed.log", "w") as log:
-        job = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
-        deadline = time.monotonic() + 240
-        while job.poll() is None and steps_logged() < FREQ + 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert job.poll() is None, "the job ended before it could be killed"
-        kill_job(job.pid)
-        job.wait()
+    job = start_job(cmd, tmp_path / "killed.log", until=lambda: steps_logged() >= FREQ + 2)
+    assert job.poll() is None, "the job ended before it could be killed"
+    kill_job(job.pid)
+    job.wait()
     killed_at = steps_logged()
     assert FREQ < killed_at < STEPS, f"killed after step {killed_at}"
     assert not (tmp_path / NAME / "summary.json").exists()

@@ -21,6 +21,7 @@ import pytest
 from common import runfolder
 from common.runfolder import claim_run_folder
 from conftest import REPO, read_json, read_jsonl, run, torchrun_cmd
+from warm import children
 from ch04_runs import (NAME, SCRIPT, assert_same_as_uninterrupted, copy_run, flags, kill_job, snapshot,
                        start_job, step_dir, train)
 
@@ -166,19 +167,19 @@ def test_without_a_latest_pointer_the_rerun_resumes_from_the_newest_checkpoint(t
 
 def test_sigterm_to_the_workers_under_restarts_says_what_happens_next(tmp_path, uninterrupted):
     """A signal to the workers alone (their process groups), under --max-restarts: they
-    save and stop, torchrun restarts them, they resume; the line said so."""
-    cmd = [str(c) for c in torchrun_cmd(2, SCRIPT, *flags(tmp_path, "--ckpt-freq", 100),
-                                        extra=["--max-restarts=1"])]
+    save and stop, torchrun restarts them, they resume; the line said so. (Through the
+    warm launcher, which restarts as torchrun does: the restart itself is torchrun's in
+    test_ch04_checkpointing.py::test_torchrun_restart_after_a_crash_continues_exactly.)"""
+    cmd = torchrun_cmd(2, SCRIPT, *flags(tmp_path, "--ckpt-freq", 100), extra=["--max-restarts=1"])
     metrics = tmp_path / NAME / "metrics.jsonl"
-    with open(tmp_path / "job.log", "w") as log:
-        job = start_job(cmd, log, until=lambda: metrics.exists() and metrics.read_text().count("\n") >= 5)
-        for worker in subprocess.run(["pgrep", "-P", str(job.pid)], capture_output=True,
-                                     text=True).stdout.split():
-            os.killpg(int(worker), signal.SIGTERM)  # each worker and its DataLoader process
-        try:
-            job.wait(timeout=120)
-        finally:
-            kill_job(job.pid)
+    job = start_job(cmd, tmp_path / "job.log",
+                    until=lambda: metrics.exists() and metrics.read_text().count("\n") >= 5)
+    for worker in children(job.pid):
+        os.killpg(worker, signal.SIGTERM)  # each worker and its DataLoader process
+    try:
+        job.wait(timeout=120)
+    finally:
+        kill_job(job.pid)
     out = (tmp_path / "job.log").read_text()
     assert job.returncode == 0, out[-3000:]
     [line] = [line for line in out.splitlines() if line.startswith("interrupted at step")]
@@ -191,17 +192,18 @@ def test_a_signal_saves_a_checkpoint_and_the_rerun_continues_exactly(tmp_path, u
     """What a scheduler (SIGTERM) or Ctrl-C (SIGINT) does, with the default DataLoader
     worker: torchrun passes the signal on to each worker's process group; the current
     step ends, a checkpoint is written, one line says so, the job exits non-zero within
-    seconds."""
+    seconds. SIGTERM under torchrun itself (its agent passes the signal on), SIGINT
+    through the warm launcher, which passes it on as torchrun does."""
     cmd = [str(c) for c in torchrun_cmd(2, SCRIPT, *flags(tmp_path, "--ckpt-freq", 100))]
     metrics = tmp_path / NAME / "metrics.jsonl"
-    with open(tmp_path / "job.log", "w") as log:
-        job = start_job(cmd, log, until=lambda: metrics.exists() and metrics.read_text().count("\n") >= 5)
-        os.killpg(job.pid, sig)  # torchrun's process group, as a terminal's Ctrl-C does
-        t0 = time.monotonic()
-        try:
-            job.wait(timeout=60)
-        finally:
-            kill_job(job.pid)
+    job = start_job(cmd, tmp_path / "job.log", warm=sig == signal.SIGINT,
+                    until=lambda: metrics.exists() and metrics.read_text().count("\n") >= 5)
+    os.killpg(job.pid, sig)  # torchrun's process group, as a terminal's Ctrl-C does
+    t0 = time.monotonic()
+    try:
+        job.wait(timeout=60)
+    finally:
+        kill_job(job.pid)
     seconds = time.monotonic() - t0
     out = (tmp_path / "job.log").read_text()
     assert job.returncode != 0 and seconds < 30, (job.returncode, seconds)
@@ -222,23 +224,23 @@ def test_a_signal_saves_a_checkpoint_and_the_rerun_continues_exactly(tmp_path, u
 
 def test_workers_stop_when_their_launcher_is_killed(tmp_path):
     """kill -9 of torchrun alone (the OOM killer's choice, say): its workers notice and
-    stop, instead of training on as orphans that a rerun would collide with."""
-    cmd = [str(c) for c in torchrun_cmd(2, SCRIPT, *flags(tmp_path, "--max-steps", 400))]
+    stop, instead of training on as orphans that a rerun would collide with. (The warm
+    launcher's ranks are its children, as torchrun's workers are its.)"""
+    cmd = torchrun_cmd(2, SCRIPT, *flags(tmp_path, "--max-steps", 400))
     metrics = tmp_path / NAME / "metrics.jsonl"
-    with open(tmp_path / "job.log", "w") as log:
-        job = start_job(cmd, log, until=lambda: metrics.exists() and bool(metrics.read_text()))
-        workers = subprocess.run(["pgrep", "-P", str(job.pid)], capture_output=True,
-                                 text=True).stdout.split()
-        assert workers
-        os.kill(job.pid, signal.SIGKILL)
-        job.wait()
-        deadline = time.monotonic() + 30
-        alive = workers
-        while alive and time.monotonic() < deadline:
-            alive = [w for w in workers if os.path.exists(f"/proc/{w}") and
-                     "Z" not in open(f"/proc/{w}/stat").read().split()[2]]
-            time.sleep(0.1)
-        kill_job(job.pid)
+    job = start_job(cmd, tmp_path / "job.log", until=lambda: metrics.exists() and bool(metrics.read_text()))
+    workers = children(job.pid)
+    assert len(workers) == 2
+    os.kill(job.pid, signal.SIGKILL)
+    job.wait()
+    deadline = time.monotonic() + 30
+    alive = workers
+    while alive and time.monotonic() < deadline:
+        alive = [w for w in workers if os.path.exists(f"/proc/{w}") and
+                 "Z" not in open(f"/proc/{w}/stat").read().split()[2]]
+        time.sleep(0.1)
+    for w in alive:
+        os.killpg(w, signal.SIGKILL)
     assert not alive, f"orphaned workers still running: {alive}"
     assert len(read_jsonl(metrics)) < 400
 

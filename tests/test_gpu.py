@@ -276,14 +276,13 @@ def test_chapter_04_sigterm_saves_and_the_rerun_continues(tmp_path, ch04_gloo, r
     on_the_gpu(summary, "gloo", world_size=2)
     cmd = [str(c) for c in torchrun_cmd(2, CH04, *ch04_flags(tmp_path, "--ckpt-freq", 100))]
     metrics = tmp_path / NAME / "metrics.jsonl"
-    with open(tmp_path / "job.log", "w") as log:
-        job = start_job(cmd, log, env=GLOO,
-                        until=lambda: metrics.exists() and metrics.read_text().count("\n") >= 5)
-        os.killpg(job.pid, signal.SIGTERM)
-        try:
-            job.wait(timeout=120)
-        finally:
-            kill_job(job.pid)
+    job = start_job(cmd, tmp_path / "job.log", env=GLOO, warm=False,  # torchrun itself
+                    until=lambda: metrics.exists() and metrics.read_text().count("\n") >= 5)
+    os.killpg(job.pid, signal.SIGTERM)
+    try:
+        job.wait(timeout=120)
+    finally:
+        kill_job(job.pid)
     out = (tmp_path / "job.log").read_text()
     [line] = [x for x in out.splitlines() if x.startswith("interrupted at step")]
     step = int(line.split()[3])

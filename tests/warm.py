@@ -1,6 +1,7 @@
 """The client of tests/zygote.py: runs `python script ...` and `torchrun --standalone
 --nproc-per-node=N script ...` command lines as forks of one warm interpreter, and
-answers as subprocess.run does (a CompletedProcess, or TimeoutExpired)."""
+answers as subprocess.run does (a CompletedProcess, or TimeoutExpired), or, for a launch
+the test acts on while it runs, as subprocess.Popen does (WarmJob)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,32 @@ def as_launch(cmd: list[str]) -> tuple[int, int, list[str]] | None:
     return (ranks, restarts, rest) if rest and rest[0].endswith(".py") else None
 
 
+def children(pid: int) -> list[int]:
+    """The processes whose parent is pid (what `pgrep -P pid` lists)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+def kill_launch(pid: int) -> None:
+    """SIGKILL a launch at once: the launcher's process group and each rank's (the ranks
+    start sessions of their own, as torchrun's workers do, so the launcher's group alone
+    would leave them running)."""
+    for group in [pid, *children(pid)]:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def import_time_settings(env: dict) -> dict:
     return {k: v for k, v in env.items() if k.startswith(READ_AT_IMPORT)}
 
@@ -79,25 +106,40 @@ class Zygote:
     def can_run(self, env: dict) -> bool:
         return import_time_settings(env) == self.settings
 
+    def start(self, nproc: int, restarts: int, argv: list[str], *, cwd, env: dict,
+              stdout: Path, stderr: Path) -> int:
+        """Launch and return the launcher's pid at once; output appended to the files."""
+        request = {"nproc": nproc, "max_restarts": restarts, "argv": argv, "cwd": str(cwd),
+                   "env": env, "stdout": str(stdout), "stderr": str(stderr), "port": free_port()}
+        self.started = None
+        self.proc.stdin.write((json.dumps(request) + "\n").encode())
+        self.proc.stdin.flush()
+        while self.started is None:
+            self._read(None)
+        return self.started
+
+    def poll(self, pid: int) -> int | None:
+        while pid not in self.statuses and self._read(time.monotonic()):
+            pass
+        return self.statuses.pop(pid, None)
+
+    def wait(self, pid: int, timeout: float | None) -> int:
+        """The launch's status; subprocess.TimeoutExpired after `timeout` s (it runs on)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while pid not in self.statuses:
+            if not self._read(deadline):
+                raise subprocess.TimeoutExpired(str(pid), timeout)
+        return self.statuses.pop(pid)
+
     def run(self, nproc: int, restarts: int, argv: list[str], *, cwd, env: dict, timeout: float | None):
         with tempfile.TemporaryDirectory() as tmp:
             out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-            request = {"nproc": nproc, "max_restarts": restarts, "argv": argv, "cwd": str(cwd),
-                       "env": env, "stdout": str(out), "stderr": str(err), "port": free_port()}
-            self.started = None
-            self.proc.stdin.write((json.dumps(request) + "\n").encode())
-            self.proc.stdin.flush()
-            while self.started is None:
-                self._read(None)
-            pid = self.started
-            deadline = None if timeout is None else time.monotonic() + timeout
-            timed_out = False
-            while pid not in self.statuses:
-                if not self._read(deadline) and not timed_out:
-                    timed_out = True
-                    os.killpg(pid, signal.SIGKILL)
-                    deadline = None
-            code = self.statuses.pop(pid)
+            pid = self.start(nproc, restarts, argv, cwd=cwd, env=env, stdout=out, stderr=err)
+            try:
+                code, timed_out = self.wait(pid, timeout), False
+            except subprocess.TimeoutExpired:
+                kill_launch(pid)
+                code, timed_out = self.wait(pid, None), True
             stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
         if timed_out:
             raise subprocess.TimeoutExpired(argv, timeout, stdout, stderr)
@@ -106,3 +148,21 @@ class Zygote:
     def close(self):
         self.proc.stdin.close()
         self.proc.wait(timeout=30)
+
+
+class WarmJob:
+    """A launch of the zygote as far as a test uses subprocess.Popen: pid (the launcher's,
+    the ranks are its children), poll(), wait(timeout), returncode."""
+
+    def __init__(self, zygote: Zygote, pid: int, args: list[str]):
+        self.zygote, self.pid, self.args, self.returncode = zygote, pid, args, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.zygote.poll(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.returncode = self.zygote.wait(self.pid, timeout)
+        return self.returncode

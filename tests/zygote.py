@@ -5,13 +5,14 @@ of CPU that `import torch` takes in every new interpreter.
 It never runs a torch operation itself (no thread pool to inherit across fork). Each
 request (one JSON line on stdin) names a script, its arguments, environment, folder and
 output files, and a number of ranks: 0 runs the script as `python script.py` would;
-N >= 1 runs N ranks with the variables torchrun gives its workers, under a small
-launcher process that, like torchrun, stops the other ranks when one fails, starts them
-all again while `max_restarts` allows (TORCHELASTIC_RESTART_COUNT counts up), and
-otherwise exits 1.
+N >= 1 runs N ranks with the variables torchrun gives its workers, each in a session of
+its own as torchrun starts them, under a small launcher process that, like torchrun,
+passes SIGTERM and SIGINT on to each rank's process group and then ends the job, stops
+the other ranks when one fails, starts them all again while `max_restarts` allows
+(TORCHELASTIC_RESTART_COUNT counts up), and otherwise exits 1.
 The reply lines on stdout: {"started": pid}, later {"pid": pid, "status": code}, where
-code is the exit status, or -signal. The pid is a process group leader: killpg stops
-all of a launch."""
+code is the exit status, or -signal. The pid is the launcher's (a process group leader);
+its children are the ranks (tests/warm.py: kill_launch stops them all)."""
 
 import importlib
 import json
@@ -95,15 +96,15 @@ def launch_attempt(request: dict, attempt: int, restarts: int, port: int) -> int
     for rank in range(n):
         pid = os.fork()
         if pid == 0:
+            os.setsid()  # as torchrun starts each worker: a session (and process group) of its own
             become(request, {**base, "RANK": str(rank), "LOCAL_RANK": str(rank),
                              "ROLE_RANK": str(rank)})
         ranks[pid] = rank
-    # a signal to the launcher is passed on to the ranks, as torchrun's agent does; and,
-    # as there, it ends the job: no restart follows
+    # a signal to the launcher is passed on to each rank's process group, as torchrun's
+    # agent does; and, as there, it ends the job: no restart follows
     def pass_on(sig, _):
         STOPPED.append(sig)
-        for p in ranks:
-            os.kill(p, sig)
+        signal_groups(ranks, sig)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, pass_on)
     failed = False
@@ -115,18 +116,24 @@ def launch_attempt(request: dict, attempt: int, restarts: int, port: int) -> int
             break
         if pid == 0:
             if time.monotonic() > deadline:
-                for p in ranks:
-                    os.kill(p, signal.SIGKILL)
+                signal_groups(ranks, signal.SIGKILL)
                 deadline = None
             time.sleep(0.05)
             continue
         ranks.pop(pid, None)
         if os.waitstatus_to_exitcode(status) != 0 and not failed:
             failed = True
-            for p in ranks:
-                os.kill(p, signal.SIGTERM)
+            signal_groups(ranks, signal.SIGTERM)
             deadline = time.monotonic() + RANK_GRACE_S
     return 1 if failed else 0
+
+
+def signal_groups(ranks, sig) -> None:
+    for pid in ranks:
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:  # exited, and its group with it
+            pass
 
 
 def start(request: dict) -> int:
