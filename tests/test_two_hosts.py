@@ -1,9 +1,8 @@
 """Chapters 03 and 04 on two real network hosts: Linux network namespaces joined by a
 veth pair (common.two_hosts), each with its own cache and save folder, no shared
-filesystem. DDP across the hosts equals chapter 01 with the global batch; chapter 04
-killed mid-run resumes exactly from node-local checkpoints; a cut cable ends every
-process on both hosts soon after --timeout, with one line, and the rerun resumes
-exactly; the default network settings that cannot work across machines are one line
+filesystem. DDP across the hosts equals chapter 01 with the global batch; a cut cable
+ends every process of chapter 04 on both hosts soon after --timeout, with one line, and
+the rerun resumes exactly from node-local checkpoints; the default network settings that cannot work across machines are one line
 naming the fix.
 Needs root and iproute2 (CI has both); skipped with the reason otherwise."""
 
@@ -12,7 +11,6 @@ from __future__ import annotations
 import itertools
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -98,16 +96,6 @@ def show(texts):
     return "\n".join(f"--- host{i + 1}\n{t[-5000:]}" for i, t in enumerate(texts))
 
 
-def kill_hosts(hosts):
-    """SIGKILL every process on both hosts at once: a power cut, no cleanup."""
-    for name in hosts.names:
-        for pid in host_pids(name):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-
 def steps_logged(metrics):
     return metrics.read_text().count("\n") if metrics.exists() else 0
 
@@ -167,14 +155,13 @@ def ch04_args(name, timeout):
             "--experiment-name", name]
 
 
-def test_ch04_on_two_hosts_cut_cable_then_kill_then_resume_exactly(hosts, tmp_path):
-    """One run interrupted twice. (c) The cable is cut mid-training: every process on
-    both hosts ends soon after --timeout, each worker with one line; nothing is left
-    running. (b) After the cable is back, the rerun resumes, and is killed (SIGKILL to
-    every process on both hosts); the next rerun resumes again and finishes with
-    exactly the losses and weights of an uninterrupted run. Rank 0 (host 1) writes the
-    checkpoints and reads the one it resumes from; host 2 receives it over the process
-    group and never holds a checkpoint on its own disk."""
+def test_ch04_on_two_hosts_cut_cable_then_resume_exactly(hosts, tmp_path):
+    """(c) The cable is cut mid-training: every process on both hosts ends soon after
+    --timeout, each worker with one line; nothing is left running. (b) After the cable is
+    back, the rerun resumes from the checkpoint rank 0 (host 1) wrote and reads; host 2
+    receives it over the process group and never holds a checkpoint on its own disk. It
+    finishes with exactly the losses and weights of an uninterrupted run. (A SIGKILL of
+    every process, then the rerun: test_ch04_checkpointing.py, on one machine.)"""
     name, args = "ch04", ch04_args("ch04", TIMEOUT)
     ckpt1, ckpt2 = hosts.save_dir(0) / name / "checkpoints", hosts.save_dir(1) / name / "checkpoints"
     metrics = hosts.save_dir(0) / name / "metrics.jsonl"
@@ -208,19 +195,10 @@ def test_ch04_on_two_hosts_cut_cable_then_kill_then_resume_exactly(hosts, tmp_pa
     assert (ckpt1 / f"step-{FREQ:08d}" / "state.pt").is_file()
     assert not ckpt2.exists()  # rank 0 wrote the checkpoint, on host 1's disk only
 
-    # (b) cable back: the rerun resumes, then a power cut on both hosts
-    procs, logs = start_both(hosts, CH04, args, tag="rerun")
-    wait_for_step(metrics, 2 * FREQ + 2, procs)
-    kill_hosts(hosts)
-    statuses, texts = wait_both(procs, logs, timeout=30)
-    assert f"resumed from {ckpt1 / f'step-{FREQ:08d}'}" in texts[0], show(texts)
-    assert not ckpt2.exists()
-    assert 2 * FREQ < steps_logged(metrics) < STEPS
-
-    # and again: resumes from the newer checkpoint, finishes exactly as uninterrupted
-    statuses, texts = run_both(hosts, CH04, args, tag="rerun2")
+    # (b) cable back: the rerun resumes, and finishes exactly as uninterrupted
+    statuses, texts = run_both(hosts, CH04, args, tag="rerun")
     assert statuses == [0, 0], show(texts)
-    assert f"resumed from {ckpt1 / f'step-{2 * FREQ:08d}'}" in texts[0], show(texts)
+    assert f"resumed from {ckpt1 / f'step-{FREQ:08d}'}" in texts[0], show(texts)
     assert not ckpt2.exists()
     # the reference: uninterrupted, 2 processes on one machine, the same global batch
     ref_dir = tmp_path / "ref"
