@@ -115,8 +115,9 @@ def readme_commands(chapter: str) -> list[tuple[str, bool]]:
 
 
 # Every runnable README command is either launched, in the same form, by the proof test
-# named here (same script, same launcher, at least the same flags; the test asserts what
-# the command is for), or run below. A new command must be added to one of the two.
+# named here (same script, same launcher, or the suite's warm one that gives the script
+# what torchrun gives it, at least the same flags; the test asserts what the command is
+# for), or run below. A new command must be added to one of the two.
 LAUNCHED_BY = {
     "python 01-single-gpu/train_llm.py": "conftest.py::ch01_smoke",
     "python 01-single-gpu/train_llm.py --padded --max-steps 30":
