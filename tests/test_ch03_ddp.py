@@ -27,8 +27,10 @@ WEIGHT_ATOL = 2e-4        # per element: a fifth of one Adam step at the peak lr
 
 
 def train_args(save_dir, name, batch, *extra, steps=STEPS):
-    return [*TINY, "--batch-size", batch, "--max-steps", steps, "--save-dir", save_dir,
-            "--experiment-name", name, *extra]
+    """The tiny settings with 32-token sequences: what is compared (losses, gradient
+    norms, weights) depends on the batch and the steps, not on the sequence length."""
+    return [*TINY, "--seq-length", 32, "--batch-size", batch, "--max-steps", steps,
+            "--save-dir", save_dir, "--experiment-name", name, *extra]
 
 
 def assert_same_training(run_dir, ref_dir):

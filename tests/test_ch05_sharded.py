@@ -31,7 +31,7 @@ TINY = ["--model-preset", "tiny", "--seq-length", "32", "--batch-size", "2"]
 TIMED = ["--steps", "2", "--timing-warmup", "1"]
 UNTIMED = ["--steps", "1", "--timing-warmup", "0"]
 # 05-collectives/README.md's 3-rank command as written (test_readmes.py counts on this run)
-README_3_RANKS = ["--model-preset", "tiny", "--seq-length", "64", "--batch-size", "4", "--steps", "3",
+README_3_RANKS = ["--model-preset", "tiny", "--seq-length", "32", "--batch-size", "2", "--steps", "3",
                   "--timing-warmup", "1", "--proof-steps", "8", "--lr", "0.1"]
 
 

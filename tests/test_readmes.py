@@ -174,7 +174,7 @@ LAUNCHED_BY = {
     "torchrun --standalone --nproc-per-node=4 05-collectives/sharded_from_scratch.py --steps 12":
         "test_ch05_sharded.py::test_every_mode_equals_ddp_within_the_rounding_bound",
     "torchrun --standalone --nproc-per-node=3 05-collectives/sharded_from_scratch.py --model-preset tiny "
-    "--seq-length 64 --batch-size 4 --steps 3 --timing-warmup 1 --proof-steps 8 --lr 0.1":
+    "--seq-length 32 --batch-size 2 --steps 3 --timing-warmup 1 --proof-steps 8 --lr 0.1":
         "test_ch05_sharded.py::README_3_RANKS = ",
     "torchrun --standalone --nproc-per-node=2 05-collectives/overlap_timeline.py": "test_ch05_timeline.py::traced",
     "torchrun --standalone --nproc-per-node=2 05-collectives/sharded_checkpoint.py --experiment-name dcp-demo":
