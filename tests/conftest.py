@@ -176,8 +176,10 @@ def uninterrupted(tmp_path_factory):
     Tests read it and copy it; none changes it."""
     from ch04_runs import NAME, train
 
-    made = made_once(tmp_path_factory, "ch04-ref",  # the README's command, real torchrun
-                     lambda save_dir: {"proc": as_json(train(save_dir, warm=False)), "dir": str(save_dir)})
+    # the README's command (torchrun itself runs the chapter in the crash-and-restart and
+    # SIGTERM tests)
+    made = made_once(tmp_path_factory, "ch04-ref",
+                     lambda save_dir: {"proc": as_json(train(save_dir)), "dir": str(save_dir)})
     return from_json(made["proc"]), Path(made["dir"]) / NAME
 
 
@@ -201,12 +203,12 @@ NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}
 
 @pytest.fixture(scope="session")
 def ch01_smoke(tmp_path_factory):
-    """One 40-step run of the tiny preset, from the repo root with plain python:
-    (process, run folder, metrics records, summary)."""
+    """One 40-step run of the tiny preset, from the repo root with plain python (the
+    README's first command; test_tour.py runs it in a fresh interpreter, as a reader
+    does): (process, run folder, metrics records, summary)."""
     def smoke(save_dir):
         proc = run(python_cmd("01-single-gpu/train_llm.py", *TINY, "--max-steps", CH01_STEPS,
-                              "--save-dir", save_dir, "--experiment-name", "smoke"), env=NO_GPU,
-                   warm=False)  # the README's first command, in a fresh interpreter as a reader runs it
+                              "--save-dir", save_dir, "--experiment-name", "smoke"), env=NO_GPU)
         return {"proc": as_json(proc), "dir": str(save_dir / "smoke")}
     made = made_once(tmp_path_factory, "ch01", smoke)
     run_dir = Path(made["dir"])

@@ -1,5 +1,5 @@
 """Chapter 04's checkpoint module (04-checkpointing/checkpoint.py) on real process groups
-(2 gloo ranks, spawned here): the training state saves and loads symmetrically; rank 0
+(2 gloo ranks: this file is also their script): the training state saves and loads symmetrically; rank 0
 alone reads the file and the other ranks receive every tensor in place, never a pickle of
 the state; a candidate that fails leaves model and optimizer exactly as they were; a
 missing `latest` pointer falls back to the newest checkpoint that verifies; another run's
@@ -9,19 +9,21 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import os
 import pickle
 import random
 import signal
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from common.checkpoint_folder import RUN_DEFINING_FLAGS, run_settings
 from common.durable import read_manifest, sha256_of
-from conftest import free_port, load_script
+from conftest import load_script, run, torchrun_cmd
 
 ch04 = load_script("04-checkpointing/train_llm.py")  # puts its folder on sys.path
 import checkpoint  # noqa: E402  the chapter's lesson module, beside the script
@@ -191,10 +193,11 @@ def test_iterating_the_loader_leaves_the_global_generator_alone():
 
 # ---- two ranks ------------------------------------------------------------------------------
 
-def two_ranks(rank, port, root, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE="2", LOCAL_RANK=str(rank))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+def two_ranks(root):
+    """One rank of the `spawned` job: this file run as a script by torchrun (through the
+    suite's warm launcher), its results into rank-<r>.json."""
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo")
     sent = {"objects": [], "tensors": 0}
     broadcast_object_list, broadcast = dist.broadcast_object_list, dist.broadcast
 
@@ -219,13 +222,14 @@ def two_ranks(rank, port, root, results):
     candidates = [root / "step-99", path] if rank == 0 else []
     (root / "step-99").mkdir(exist_ok=True)  # no manifest: a broken candidate, skipped
     got = checkpoint.load_latest(candidates, fresh, SETTINGS, rank=rank, log=log)
-    results[rank] = {"path": str(got), "equal": same_tensors(fresh, saved), "step": fresh.step,
-                     "scheduler": fresh.scheduler.state_dict() == saved.scheduler.state_dict(),
-                     "draws": torch.equal(torch.rand(2), draws_after_save),
-                     "objects": sent["objects"], "tensors": sent["tensors"],
-                     "n_tensors": len(list(saved.tensors())), "warnings": log.lines,
-                     "state_bytes": (path / "state.pt").stat().st_size}
-    results[f"votes {rank}"] = stop_votes(rank)
+    result = {"path": str(got), "equal": same_tensors(fresh, saved), "step": fresh.step,
+              "scheduler": fresh.scheduler.state_dict() == saved.scheduler.state_dict(),
+              "draws": torch.equal(torch.rand(2), draws_after_save),
+              "objects": sent["objects"], "tensors": sent["tensors"],
+              "n_tensors": len(list(saved.tensors())), "warnings": log.lines,
+              "state_bytes": (path / "state.pt").stat().st_size}
+    votes = stop_votes(rank)
+    (root / f"rank-{rank}.json").write_text(json.dumps({"result": result, "votes": votes}))
     dist.destroy_process_group()
 
 
@@ -261,8 +265,11 @@ def stop_votes(rank) -> dict:
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory):
     """One launch of two ranks for the tests below: (results by rank, checkpoint folder)."""
-    root, results = tmp_path_factory.mktemp("two-ranks"), mp.Manager().dict()
-    mp.spawn(two_ranks, args=(free_port(), root, results), nprocs=2, join=True)
+    root, results = tmp_path_factory.mktemp("two-ranks"), {}
+    run(torchrun_cmd(2, "tests/test_ch04_checkpoint.py", root), timeout=120)
+    for rank in (0, 1):
+        saved = json.loads((root / f"rank-{rank}.json").read_text())
+        results[rank], results[f"votes {rank}"] = saved["result"], saved["votes"]
     return results, root
 
 
@@ -294,3 +301,7 @@ def test_the_stop_vote_never_blocks_a_step_and_every_rank_stops_at_the_same_one(
         assert last["answers"] == [None, None, "SIGTERM" if rank == 0 else other]
         assert (last["blocking"], last["async"]) == (0, 3)
         assert not mid["in flight"] and not last["in flight"]
+
+
+if __name__ == "__main__":  # a rank of the `spawned` fixture's job
+    two_ranks(Path(sys.argv[1]))

@@ -148,6 +148,7 @@ class Zygote:
     def close(self):
         self.proc.stdin.close()
         self.proc.wait(timeout=30)
+        self.proc.stdout.close()
 
 
 class WarmJob:
