@@ -14,6 +14,7 @@ The reply lines on stdout: {"started": pid}, later {"pid": pid, "status": code},
 code is the exit status, or -signal. The pid is the launcher's (a process group leader);
 its children are the ranks (tests/warm.py: kill_launch stops them all)."""
 
+import gc
 import importlib
 import json
 import os
@@ -201,4 +202,8 @@ if __name__ == "__main__":
     sys.path.insert(0, sys.argv[1])  # the repo
     for name in PRELOAD:
         importlib.import_module(name)
+    # What the imports made lives as long as every fork: out of the collector's reach, a
+    # fork's collections do not walk those objects (touching their pages copies them into
+    # the fork): half the CPU a short launch of two ranks costs (3.4 -> 1.8 s)
+    gc.freeze()
     serve()
