@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from conftest import read_jsonl, run, start, torchrun_cmd
+from conftest import TINY, read_jsonl, run, start, torchrun_cmd
 from warm import kill_launch
 
 SCRIPT = "04-checkpointing/train_llm.py"
@@ -16,11 +16,11 @@ STEPS, FREQ, KEEP = 20, 4, 2
 CRASH = 10  # after the checkpoints of steps 4 and 8
 
 
-# conftest.TINY, the tiny settings of every chapter test, with the DataLoader's default worker process
-# (a stop signal must find the run as a user runs it) and sequences of 16 tokens (what a
-# checkpoint holds does not depend on them; a step costs less).
-FLAGS = ["--model-preset", "tiny", "--seq-length", "16", "--batch-size", "4", "--log-freq", "1",
-         "--val-batches", "2", "--warmup-steps", "2"]
+# The tiny settings of every chapter test (conftest.TINY) with the DataLoader's default
+# worker process (a stop signal must find the run as a user runs it) and 16-token
+# sequences (a checkpoint holds the same; a step costs less; argparse: the last one wins).
+FLAGS = [*TINY[:TINY.index("--num-workers")], *TINY[TINY.index("--num-workers") + 2:],
+         "--seq-length", "16"]
 
 
 def flags(save_dir, *extra):

@@ -1,6 +1,6 @@
 """Chapter 04's checkpoint module (04-checkpointing/checkpoint.py) on real process groups
-(2 gloo ranks: this file is also their script): the training state saves and loads symmetrically; rank 0
-alone reads the file and the other ranks receive every tensor in place, never a pickle of
+(2 gloo ranks, this file their script): the training state saves and loads symmetrically;
+rank 0 alone reads the file and the other ranks receive every tensor in place, never a pickle of
 the state; a candidate that fails leaves model and optimizer exactly as they were; a
 missing `latest` pointer falls back to the newest checkpoint that verifies; another run's
 settings are refused by name; a resumed epoch starts mid-way."""

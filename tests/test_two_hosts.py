@@ -2,8 +2,8 @@
 veth pair (common.two_hosts), each with its own cache and save folder, no shared
 filesystem. DDP across the hosts equals chapter 01 with the global batch; a cut cable
 ends every process of chapter 04 on both hosts soon after --timeout, with one line, and
-the rerun resumes exactly from node-local checkpoints; the default network settings that cannot work across machines are one line
-naming the fix.
+the rerun resumes exactly from node-local checkpoints; the default network settings
+that cannot work across machines are one line naming the fix.
 Needs root and iproute2 (CI has both); skipped with the reason otherwise."""
 
 from __future__ import annotations
