@@ -22,6 +22,7 @@ import torch
 
 from .data import DataError, check_dataset_name, load_tokenizer
 from .distributed import BACKEND_ENV, gpu_sharing_error
+from .environment import threads_override
 from .errors import UsageError, fail
 from .model import PRESETS
 
@@ -206,6 +207,7 @@ def check_args(args, *, run_dir_must_be_new: bool = True) -> None:
     except DataError as e:
         raise UsageError(str(e)) from None
     check_device(args.device)
+    threads_override()  # LLM_GUIDE_THREADS, if set, is a thread count
     if args.cache_dir and os.path.exists(args.cache_dir) and not os.path.isdir(args.cache_dir):
         raise UsageError(f"--cache-dir {args.cache_dir!r} exists and is not a folder")
 

@@ -21,6 +21,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from common.errors import UsageError, fail
+
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -120,6 +122,21 @@ class ThreadBudget(NamedTuple):
     processes_per_machine: int
 
 
+THREADS_ENV = "LLM_GUIDE_THREADS"
+
+
+def threads_override() -> int | None:
+    """LLM_GUIDE_THREADS, the CPU threads per process a user asks for; unset or empty:
+    None. Anything but a whole number >= 1 raises UsageError (the chapters' parsers check
+    it, so a bad value is one line and exit status 2 before any work)."""
+    value = os.environ.get(THREADS_ENV, "").strip()
+    if not value:
+        return None
+    if not value.isdecimal() or int(value) < 1:
+        raise UsageError(f"{THREADS_ENV}={value!r}: must be a whole number >= 1 (CPU threads per process)")
+    return int(value)
+
+
 def share_cpu_threads(device: torch.device | str = "cpu") -> ThreadBudget:
     """The same CPU budget per machine in every chapter: each process gets its share of
     the machine's usable cores (divided by the processes training on it, counted across
@@ -128,7 +145,9 @@ def share_cpu_threads(device: torch.device | str = "cpu") -> ThreadBudget:
     launch kernels and run the odd CPU op, while its DataLoader workers, the pin-memory
     thread and NCCL's proxy threads need cores of their own: torch gets half the share
     there, at most 8 (PyTorch's tuning advice: avoid oversubscribing the cores).
-    LLM_GUIDE_THREADS overrides. A collective when distributed."""
+    LLM_GUIDE_THREADS=N sets the threads per process instead (for a machine that other
+    jobs share; the test suite gives each of its workers' processes their share so). A
+    collective when distributed."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     here = 1
     if dist.is_available() and dist.is_initialized():
@@ -138,6 +157,9 @@ def share_cpu_threads(device: torch.device | str = "cpu") -> ThreadBudget:
     share = max(1, (cores or 1) // here)
     if torch.device(device).type == "cuda":
         share = max(1, min(8, share // 2))
-    threads = int(os.environ.get("LLM_GUIDE_THREADS") or share)
+    try:
+        threads = threads_override() or share
+    except UsageError as e:  # a script whose parser did not check it
+        fail(str(e))
     torch.set_num_threads(threads)
     return ThreadBudget(threads, here)

@@ -66,7 +66,23 @@ def guide_cache(tmp_path_factory):
     cache = Path(made_once(tmp_path_factory, "llm-guide-cache", fill))
     os.environ["LLM_GUIDE_CACHE"] = str(cache)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    share_the_cores_among_workers()
     return cache
+
+
+def share_the_cores_among_workers():
+    """Under pytest-xdist, W workers each run a test at once: each test's processes, and
+    the worker itself, get the worker's share of the cores as CPU threads per process
+    (cores // W, through LLM_GUIDE_THREADS, which every chapter's share_cpu_threads
+    honours), not the whole machine each. Intra-op threads that outnumber the free cores
+    only wait on each other: on 2 cores that cost the suite about 60 s of CPU. A serial
+    run (no xdist), or LLM_GUIDE_THREADS set by the user, leaves the threads alone."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+    if workers > 1 and not os.environ.get("LLM_GUIDE_THREADS"):
+        threads = max(1, len(os.sched_getaffinity(0)) // workers)
+        os.environ["LLM_GUIDE_THREADS"] = str(threads)
+        import torch
+        torch.set_num_threads(threads)
 
 
 __all__ = ["free_port"]  # the tests import it from here

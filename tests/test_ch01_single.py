@@ -160,6 +160,7 @@ REFUSALS = {  # case: (extra flags, environment, words the one line must hold)
                          "HF_DATASETS_OFFLINE": "0"}, "cannot reach the Hugging Face hub"),
     "cuda-without-gpus": (["--device", "cuda"], {"CUDA_VISIBLE_DEVICES": ""}, "CUDA is not available"),
     "existing-run-folder": ([], {}, "already exists and is not empty"),
+    "bad-threads": ([], {"LLM_GUIDE_THREADS": "0"}, "LLM_GUIDE_THREADS='0': must be a whole number >= 1"),
 }
 EXISTING = "an earlier run's notes\n"
 

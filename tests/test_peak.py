@@ -192,6 +192,33 @@ def test_thread_budget_per_process(monkeypatch, device, cores, expected):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("value, expected", [("3", 3), (" 1 ", 1), ("", 4)])  # empty: the share
+def test_llm_guide_threads_sets_the_threads_per_process(monkeypatch, value, expected):
+    import common.environment as environment
+
+    monkeypatch.setattr(environment.os, "sched_getaffinity", lambda pid: set(range(4)))
+    monkeypatch.setenv("LLM_GUIDE_THREADS", value)
+    before = torch.get_num_threads()
+    try:
+        assert environment.share_cpu_threads("cpu") == (expected, 1)
+        assert torch.get_num_threads() == expected
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "1.5", "two"])
+def test_a_bad_llm_guide_threads_is_one_line_and_exit_2(monkeypatch, capsys, value):
+    import common.environment as environment
+
+    monkeypatch.setenv("LLM_GUIDE_THREADS", value)
+    before = torch.get_num_threads()
+    with pytest.raises(SystemExit) as stop:
+        environment.share_cpu_threads("cpu")
+    assert stop.value.code == 2 and torch.get_num_threads() == before
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: LLM_GUIDE_THREADS={value!r}: must be a whole number >= 1 (CPU threads per process)"]
+
+
 def test_a_cache_that_cannot_be_written_costs_one_warning_not_the_run(tmp_path, monkeypatch, capsys):
     """A read-only or full cache folder (here a file stands where the folder would be):
     the measured peak is still returned, with one warning line, so a finished run still
