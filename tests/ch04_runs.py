@@ -12,8 +12,8 @@ from warm import kill_launch
 
 SCRIPT = "04-checkpointing/train_llm.py"
 NAME = "run"
-STEPS, FREQ, KEEP = 20, 4, 2
-CRASH = 10  # after the checkpoints of steps 4 and 8
+STEPS, FREQ, KEEP = 12, 3, 2
+CRASH = 7  # after the checkpoints of steps 3 and 6
 
 
 # The tiny settings of every chapter test (conftest.TINY) with the DataLoader's default

@@ -202,7 +202,7 @@ def uninterrupted(tmp_path_factory):
 @pytest.fixture(scope="session")
 def crashed(tmp_path_factory):
     """Chapter 04 with --crash-at-step and no torchrun restarts: the job fails after step
-    10, with the checkpoints of steps 4 and 8 left. (process, run folder)"""
+    7, with the checkpoints of steps 3 and 6 left. (process, run folder)"""
     from ch04_runs import CRASH, NAME, train
 
     made = made_once(tmp_path_factory, "ch04-crashed", lambda save_dir: {

@@ -22,10 +22,10 @@ from conftest import load_script, python_cmd, read_json, read_jsonl, run, torchr
 def test_uninterrupted_run_keeps_the_last_k_checkpoints(uninterrupted):
     _, run_dir = uninterrupted
     ckpt = run_dir / "checkpoints"
-    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", step_dir(16), step_dir(20)]
-    assert (ckpt / "latest").read_text() == step_dir(20)
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", step_dir(9), step_dir(12)]
+    assert (ckpt / "latest").read_text() == step_dir(12)
     assert not list(run_dir.rglob(".tmp-*")) and not list(run_dir.rglob("*.tmp"))
-    assert sorted(p.name for p in (ckpt / step_dir(20)).iterdir()) == ["manifest.json", "state.pt"]
+    assert sorted(p.name for p in (ckpt / step_dir(12)).iterdir()) == ["manifest.json", "state.pt"]
 
 
 def test_summary_reports_the_checkpoint_cost(uninterrupted):
@@ -33,7 +33,7 @@ def test_summary_reports_the_checkpoint_cost(uninterrupted):
     summary = read_json(run_dir / "summary.json")
     ck = summary["checkpoint"]
     assert ck["count"] == STEPS // FREQ
-    folder = run_dir / "checkpoints" / step_dir(20)
+    folder = run_dir / "checkpoints" / step_dir(12)
     assert ck["size_mb"] == pytest.approx(sum(f.stat().st_size for f in folder.iterdir()) / 2**20)
     assert ck["save_s"] > 0 and ck["save_mb_per_s"] == pytest.approx(ck["size_mb"] / ck["save_s"])
     assert summary["resumed_at_step"] == 0 and summary["restart_count"] == 0
@@ -47,8 +47,8 @@ def test_torchrun_restart_after_a_crash_continues_exactly(tmp_path, uninterrupte
     assert (run_dir / f"crash-injected-at-step-{CRASH}").exists()
     assert_same_as_uninterrupted(run_dir, uninterrupted[1])
     summary = read_json(run_dir / "summary.json")
-    assert f"resumed from {run_dir / 'checkpoints' / step_dir(8)}: step 8" in proc.stdout
-    assert summary["resumed_at_step"] == 8 and summary["restart_count"] == 1
+    assert f"resumed from {run_dir / 'checkpoints' / step_dir(6)}: step 6" in proc.stdout
+    assert summary["resumed_at_step"] == 6 and summary["restart_count"] == 1
 
 
 def test_rerun_after_sigkill_of_the_whole_job_continues_exactly(tmp_path, uninterrupted):
@@ -77,7 +77,7 @@ def test_crash_without_restarts_fails_and_keeps_its_checkpoints(crashed):
     proc, run_dir = crashed
     assert proc.returncode != 0
     assert f"injected crash after step {CRASH}" in proc.stdout + proc.stderr
-    assert (run_dir / "checkpoints" / "latest").read_text() == step_dir(8)
+    assert (run_dir / "checkpoints" / "latest").read_text() == step_dir(6)
     assert CRASH <= len(read_jsonl(run_dir / "metrics.jsonl")) < STEPS
     assert not (run_dir / "summary.json").exists()
 
@@ -86,11 +86,11 @@ def test_rerun_falls_back_past_a_corrupt_latest_checkpoint(tmp_path, crashed, un
     """The newest checkpoint is cut in half (a disk that filled up, say): the rerun
     warns, resumes from the one before, and still ends exactly as the reference."""
     run_dir = copy_run(crashed[1], tmp_path)
-    newest = run_dir / "checkpoints" / step_dir(8) / "state.pt"
+    newest = run_dir / "checkpoints" / step_dir(6) / "state.pt"
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
     proc = train(tmp_path, "--crash-at-step", CRASH)  # the same command again
     assert f"checkpoint {newest.parent} cannot be used (ValueError: state.pt does not match" in proc.stdout
-    assert f"resumed from {run_dir / 'checkpoints' / step_dir(4)}: step 4" in proc.stdout
+    assert f"resumed from {run_dir / 'checkpoints' / step_dir(3)}: step 3" in proc.stdout
     assert_same_as_uninterrupted(run_dir, uninterrupted[1])
 
 
@@ -109,7 +109,7 @@ def test_resume_with_a_different_flag_is_refused(tmp_path, uninterrupted):
     proc = run(python_cmd(SCRIPT, *flags(tmp_path, "--batch-size", 8, "--lr", 2e-3)), check=False)
     assert proc.returncode == 2
     [line] = proc.stderr.strip().splitlines()
-    assert line.startswith(f"error: checkpoint {run_dir / 'checkpoints' / step_dir(20)} belongs "
+    assert line.startswith(f"error: checkpoint {run_dir / 'checkpoints' / step_dir(12)} belongs "
                            f"to a run with other settings (--lr 0.001 -> 0.002)")
     assert snapshot(run_dir) == before
 
@@ -121,7 +121,7 @@ def test_resume_with_another_world_size_but_the_same_global_batch(tmp_path, cras
     not to the bit."""
     run_dir = copy_run(crashed[1], tmp_path)
     proc = run(python_cmd(SCRIPT, *flags(tmp_path, "--batch-size", 8)))
-    assert f"resumed from {run_dir / 'checkpoints' / step_dir(8)}: step 8" in proc.stdout
+    assert f"resumed from {run_dir / 'checkpoints' / step_dir(6)}: step 6" in proc.stdout
     got, ref = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(uninterrupted[1] / "metrics.jsonl")
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=1e-5, abs=0)

@@ -22,8 +22,8 @@ from common import runfolder
 from common.runfolder import claim_run_folder
 from conftest import REPO, read_json, read_jsonl, run, torchrun_cmd
 from warm import children
-from ch04_runs import (NAME, SCRIPT, assert_same_as_uninterrupted, copy_run, flags, kill_job, snapshot,
-                       start_job, step_dir, train)
+from ch04_runs import (CRASH, FREQ, NAME, SCRIPT, STEPS, assert_same_as_uninterrupted, copy_run, flags,
+                       kill_job, snapshot, start_job, step_dir, train)
 
 
 def test_another_preset_is_refused_before_anything_changes(tmp_path, crashed):
@@ -43,21 +43,21 @@ def test_another_corpus_or_tokenizer_is_refused(tmp_path, crashed):
         meta = json.loads(manifest.read_text())
         meta["settings"]["data fingerprint"] = "0123456789abcdef"
         manifest.write_text(json.dumps(meta))
-    proc = train(tmp_path, "--crash-at-step", 10, check=False)
+    proc = train(tmp_path, "--crash-at-step", CRASH, check=False)
     assert proc.returncode != 0
     assert "(data fingerprint 0123456789abcdef ->" in proc.stderr
 
 
 def test_a_flipped_byte_is_caught_and_the_previous_checkpoint_used(tmp_path, crashed, uninterrupted):
     run_dir = copy_run(crashed[1], tmp_path)
-    state = run_dir / "checkpoints" / step_dir(8) / "state.pt"
+    state = run_dir / "checkpoints" / step_dir(6) / "state.pt"
     data = bytearray(state.read_bytes())
     for i in range(len(data) // 2, len(data) // 2 + 64):  # inside the tensor data, same size
         data[i] ^= 0xFF
     state.write_bytes(bytes(data))
-    proc = train(tmp_path, "--crash-at-step", 10)
+    proc = train(tmp_path, "--crash-at-step", CRASH)
     assert "state.pt does not match its checksum" in proc.stdout
-    assert f"resumed from {run_dir / 'checkpoints' / step_dir(4)}: step 4" in proc.stdout
+    assert f"resumed from {run_dir / 'checkpoints' / step_dir(3)}: step 3" in proc.stdout
     assert_same_as_uninterrupted(run_dir, uninterrupted[1])
 
 
@@ -66,7 +66,7 @@ def test_when_no_checkpoint_loads_the_run_stops_and_changes_nothing(tmp_path, cr
     for state in run_dir.glob("checkpoints/step-*/state.pt"):
         state.write_bytes(b"not a checkpoint")
     before = snapshot(run_dir)
-    proc = train(tmp_path, "--crash-at-step", 10, check=False)
+    proc = train(tmp_path, "--crash-at-step", CRASH, check=False)
     assert proc.returncode != 0
     assert f"no checkpoint in {run_dir / 'checkpoints'} could be loaded" in proc.stderr
     assert snapshot(run_dir) == before
@@ -75,8 +75,8 @@ def test_when_no_checkpoint_loads_the_run_stops_and_changes_nothing(tmp_path, cr
 def test_a_torn_last_metrics_line_does_not_block_the_resume(tmp_path, crashed, uninterrupted):
     run_dir = copy_run(crashed[1], tmp_path)
     with open(run_dir / "metrics.jsonl", "a") as f:
-        f.write('{"step": 11, "loss": 7.1')  # a kill or a full disk in mid-write
-    train(tmp_path, "--crash-at-step", 10)
+        f.write(f'{{"step": {CRASH + 1}, "loss": 7.1')  # a kill or a full disk in mid-write
+    train(tmp_path, "--crash-at-step", CRASH)
     assert_same_as_uninterrupted(run_dir, uninterrupted[1])
 
 
@@ -104,7 +104,7 @@ def test_a_second_job_on_the_same_folder_is_refused(tmp_path):
 
 def test_fresh_under_restarts_archives_once(tmp_path, crashed, uninterrupted):
     run_dir = copy_run(crashed[1], tmp_path)
-    train(tmp_path, "--fresh", "--crash-at-step", 6, restarts=2)
+    train(tmp_path, "--fresh", "--crash-at-step", 5, restarts=2)
     archives = list(run_dir.glob("archive-*"))
     assert len(archives) == 1, archives  # not one more at the restart after the crash
     assert_same_as_uninterrupted(run_dir, uninterrupted[1])
@@ -117,15 +117,15 @@ def test_a_rollback_stays_rolled_back(tmp_path, uninterrupted):
     run_dir, ckpt = tmp_path / NAME, tmp_path / NAME / "checkpoints"
     (tmp_path / "elsewhere").mkdir()
     link = tmp_path / "elsewhere" / "good-one"  # --resume-from through a symbolic link
-    link.symlink_to(ckpt / step_dir(8))
-    proc = train(tmp_path, "--keep-last", 5, "--resume-from", link, "--crash-at-step", 10, check=False)
-    assert proc.returncode != 0 and f"resumed from {ckpt / step_dir(8)}: step 8" in proc.stdout
-    assert (ckpt / "latest").read_text() == step_dir(8)
+    link.symlink_to(ckpt / step_dir(6))
+    proc = train(tmp_path, "--keep-last", 5, "--resume-from", link, "--crash-at-step", CRASH, check=False)
+    assert proc.returncode != 0 and f"resumed from {ckpt / step_dir(6)}: step 6" in proc.stdout
+    assert (ckpt / "latest").read_text() == step_dir(6)
     assert sorted(p.name for p in (tmp_path / "elsewhere").iterdir()) == ["good-one"]  # no stray pointer
     assert sorted(p.name for p in (ckpt / "abandoned").iterdir()) == \
-        [step_dir(12), step_dir(16), step_dir(20)]
-    proc = train(tmp_path, "--keep-last", 5, "--crash-at-step", 10)  # the plain command
-    assert f"resumed from {ckpt / step_dir(8)}: step 8" in proc.stdout
+        [step_dir(9), step_dir(12)]
+    proc = train(tmp_path, "--keep-last", 5, "--crash-at-step", CRASH)  # the plain command
+    assert f"resumed from {ckpt / step_dir(6)}: step 6" in proc.stdout
     assert_same_as_uninterrupted(run_dir, uninterrupted[1])
 
 
@@ -136,7 +136,7 @@ def test_a_run_stopped_after_its_last_checkpoint_is_finished_by_the_rerun(tmp_pa
     (run_dir / "summary.json").unlink()
     (run_dir / "model.pt").unlink()
     proc = train(tmp_path)
-    assert "training finished at step 20; its end (validation, sample, weights, summary) did not" in proc.stdout
+    assert f"training finished at step {STEPS}; its end (validation, sample, weights, summary) did not" in proc.stdout
     summary = read_json(run_dir / "summary.json")
     reference = read_json(uninterrupted[1] / "summary.json")
     assert summary["final_loss"] == reference["final_loss"] and summary["val_loss"] == reference["val_loss"]
@@ -145,22 +145,22 @@ def test_a_run_stopped_after_its_last_checkpoint_is_finished_by_the_rerun(tmp_pa
 
 
 def test_resume_from_acts_once_per_job_under_restarts(tmp_path, crashed, uninterrupted):
-    """--resume-from step 4, then a crash after step 9 under --max-restarts: the restart
-    resumes from step 8, which this job saved, not from step 4 again."""
+    """--resume-from step 3, then a crash after step 8 under --max-restarts: the restart
+    resumes from step 6, which this job saved, not from step 3 again."""
     run_dir = copy_run(crashed[1], tmp_path)
     ckpt = run_dir / "checkpoints"
-    proc = train(tmp_path, "--resume-from", ckpt / step_dir(4), "--crash-at-step", 9, restarts=1)
+    proc = train(tmp_path, "--resume-from", ckpt / step_dir(3), "--crash-at-step", 8, restarts=1)
     assert proc.stdout.count("resumed from") == 2
-    assert f"resumed from {ckpt / step_dir(8)}: step 8" in proc.stdout.split("injected crash")[-1]
+    assert f"resumed from {ckpt / step_dir(6)}: step 6" in proc.stdout.split("injected crash")[-1]
     assert_same_as_uninterrupted(run_dir, uninterrupted[1])
 
 
 def test_without_a_latest_pointer_the_rerun_resumes_from_the_newest_checkpoint(tmp_path, crashed, uninterrupted):
     run_dir = copy_run(crashed[1], tmp_path)
     (run_dir / "checkpoints" / "latest").unlink()
-    proc = train(tmp_path, "--crash-at-step", 10)
+    proc = train(tmp_path, "--crash-at-step", CRASH)
     assert "has checkpoints but no `latest` pointer" in proc.stdout
-    assert f"resumed from {run_dir / 'checkpoints' / step_dir(8)}: step 8" in proc.stdout
+    assert f"resumed from {run_dir / 'checkpoints' / step_dir(6)}: step 6" in proc.stdout
     assert not (run_dir / "checkpoints" / "abandoned").exists()
     assert_same_as_uninterrupted(run_dir, uninterrupted[1])
 
@@ -265,7 +265,7 @@ def test_a_full_disk_stops_the_run_with_one_line_and_leaves_no_debris(tmp_path):
         assert errors and all("disk full while saving into" in e for e in errors), proc.stderr[-3000:]
         ckpt = disk / NAME / "checkpoints"
         assert not list(ckpt.glob(".tmp-*"))
-        assert (ckpt / "latest").read_text() == step_dir(4)
+        assert (ckpt / "latest").read_text() == step_dir(FREQ)
     finally:
         subprocess.run(["umount", str(disk)], capture_output=True)
 

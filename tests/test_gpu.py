@@ -32,7 +32,7 @@ import signal
 import pytest
 import torch
 
-from ch04_runs import SCRIPT as CH04, NAME, flags as ch04_flags, kill_job, start_job, step_dir, train as ch04_train
+from ch04_runs import SCRIPT as CH04, NAME, STEPS as CH04_STEPS, flags as ch04_flags, kill_job, start_job, step_dir, train as ch04_train
 from common.jsonfiles import write_json
 from common.peak_flops import datasheet_peak
 from conftest import TINY, python_cmd, read_json, read_jsonl, run, torchrun_cmd
@@ -245,9 +245,9 @@ def test_chapter_04_at_world_size_1_on_nccl_saves_and_resumes(tmp_path, record):
     summary = read_json(tmp_path / NAME / "summary.json")
     on_the_gpu(summary, "nccl")
     assert summary["checkpoint"]["count"] >= 1
-    assert (tmp_path / NAME / "checkpoints" / "latest").read_text() == step_dir(20)
+    assert (tmp_path / NAME / "checkpoints" / "latest").read_text() == step_dir(CH04_STEPS)
     again = run(cmd, timeout=300)
-    assert "this run already finished (step 20 of 20); nothing to do" in again.stdout
+    assert f"this run already finished (step {CH04_STEPS} of {CH04_STEPS}); nothing to do" in again.stdout
     record("ch04_tiny_nccl_1", chapter_figures(summary))
 
 
@@ -291,7 +291,7 @@ def test_chapter_04_sigterm_saves_and_the_rerun_continues(tmp_path, ch04_gloo, r
     assert f"step {step}" in proc.stdout
     deterministic = identical(*ch04_gloo)
     resumed = tmp_path / NAME
-    assert [r["step"] for r in read_jsonl(resumed / "metrics.jsonl")] == list(range(1, 21))
+    assert [r["step"] for r in read_jsonl(resumed / "metrics.jsonl")] == list(range(1, CH04_STEPS + 1))
     if deterministic:
         assert identical(resumed, reference)
     else:
