@@ -5,6 +5,7 @@ draws its plot and table from one command and refuses bad input before any work.
 
 from __future__ import annotations
 
+import functools
 from contextlib import nullcontext
 
 import pytest
@@ -15,7 +16,15 @@ from common.training import build_optimizer
 from conftest import load_script, python_cmd, read_json, refused, run
 
 SCRIPT = "01-single-gpu/memory_anatomy.py"
-ANATOMY = load_script(SCRIPT)
+
+
+@functools.cache
+def anatomy_script():
+    """The script as a module, loaded at first use: it imports torch's MemTracker (about
+    2 s of CPU), which a pytest-xdist worker that only collects this file need not pay."""
+    return load_script(SCRIPT)
+
+
 # A small vocabulary, so that the layers' activations, not the logits, dominate.
 BATCH, SEQ, VOCAB = 4, 64, 512
 SMALL = ["--model-preset", "tiny", "--seq-length", SEQ, "--batch-size", BATCH, "--vocab-size", VOCAB,
@@ -37,13 +46,13 @@ def test_measured_memory_is_the_textbook_and_checkpointing_keeps_less(dtype):
     optimizer = build_optimizer(model, 1e-4, 0.1, "cpu")
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext()
     x, y = torch.randint(0, VOCAB, (2, BATCH, SEQ), generator=torch.Generator().manual_seed(0))
-    ANATOMY.train_step(model, optimizer, x, y, autocast)  # AdamW makes its state
-    book = ANATOMY.textbook(config, n, BATCH, SEQ, "cpu", bf16)
+    anatomy_script().train_step(model, optimizer, x, y, autocast)  # AdamW makes its state
+    book = anatomy_script().textbook(config, n, BATCH, SEQ, "cpu", bf16)
     got = {}
     for setting, on in (("off", False), ("on", True)):
         model.activation_checkpointing = on
-        timeline = ANATOMY.tracked_step(model, optimizer, x, y, autocast, torch.device("cpu"))
-        got[setting] = r = ANATOMY.summarize(timeline, [1.0], None)
+        timeline = anatomy_script().tracked_step(model, optimizer, x, y, autocast, torch.device("cpu"))
+        got[setting] = r = anatomy_script().summarize(timeline, [1.0], None)
         assert r["state"]["parameters"] == 4 * n + rope_tables
         assert r["state"]["gradients"] == 4 * n
         assert r["state"]["AdamW state"] == pytest.approx(8 * n, rel=0.01)
@@ -72,8 +81,8 @@ def test_the_script_writes_its_plot_json_and_table(anatomy):
     for setting in ("off", "on"):
         r = result["results"][setting]
         timeline = r["timeline"]
-        assert set(timeline) == {"phases", *ANATOMY.CATEGORIES}
-        totals = [sum(timeline[c][i] for c in ANATOMY.CATEGORIES) for i in range(len(timeline["phases"]))]
+        assert set(timeline) == {"phases", *anatomy_script().CATEGORIES}
+        totals = [sum(timeline[c][i] for c in anatomy_script().CATEGORIES) for i in range(len(timeline["phases"]))]
         assert max(totals) == r["peak_bytes"] and r["step_s_median"] > 0
     assert result["results"]["on"]["peak_bytes"] < result["results"]["off"]["peak_bytes"]
     for row in ("| state: 16 bytes per parameter", "| activations kept for backward",
@@ -86,6 +95,6 @@ def test_bad_input_exits_2_with_one_line_and_creates_nothing(tmp_path, capsys):
     for flags, words in ((["--seq-length", "100000"], "--seq-length 100000 exceeds"),
                          (["--steps", "0"], "--steps: must be a whole number >= 1"),
                          (["--dtype", "fp16"], "--dtype: unknown 'fp16'")):
-        line = refused(capsys, ANATOMY.parse_args, [*SMALL, *flags, "--save-dir", tmp_path / "x"])
+        line = refused(capsys, anatomy_script().parse_args, [*SMALL, *flags, "--save-dir", tmp_path / "x"])
         assert words in line
     assert not (tmp_path / "x").exists()
