@@ -103,15 +103,24 @@ def peak_memory_mb(device: torch.device | str) -> tuple[float, str]:
     return rss_kb / 1024, "process_peak_rss"
 
 
+def end_with_parent(sig: int) -> bool:
+    """On Linux, ask the kernel to send this process `sig` the moment its parent dies
+    (PR_SET_PDEATHSIG); False where that cannot be asked (elsewhere, a no-op). A parent
+    that died before the request leaves this process with another parent: the caller
+    checks os.getppid()."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
 def exit_with_launcher():
     """Under torchrun, on Linux (elsewhere a no-op): ask the kernel to send this process
     SIGTERM when its parent (torchrun's agent) dies. If the parent is already gone (we
     were orphaned before asking), exit now."""
-    if "LOCAL_RANK" not in os.environ or not sys.platform.startswith("linux"):
-        return
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except (OSError, AttributeError):
+    if "LOCAL_RANK" not in os.environ or not end_with_parent(signal.SIGTERM):
         return
     if os.getppid() == 1:
         sys.exit("error: the launcher (torchrun) is gone; stopping")

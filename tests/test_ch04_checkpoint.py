@@ -15,6 +15,7 @@ import pickle
 import random
 import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from common.checkpoint_folder import RUN_DEFINING_FLAGS, run_settings
 from common.durable import read_manifest, sha256_of
 from conftest import load_script, run, torchrun_cmd
+from warm import children
 
 ch04 = load_script("04-checkpointing/train_llm.py")  # puts its folder on sys.path
 import checkpoint  # noqa: E402  the chapter's lesson module, beside the script
@@ -177,6 +179,50 @@ def test_run_settings_name_the_flags_the_data_and_the_format():
     assert s["global batch"] == 16 and s["data fingerprint"] == "abc"
     assert s["format version"] == checkpoint.FORMAT_VERSION
     assert {"model_preset", "vocab_size", "seq_length", "lr", "seed"} <= set(s)
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_a_data_worker_leaves_the_trainers_group_and_dies_with_it():
+    """data_workers_apart: the DataLoader's worker is in a process group of its own (a
+    signal to the trainer's group misses it), and a trainer that dies without stopping it
+    (os._exit, as after a peer stopped answering) takes it along at once: the DataLoader's
+    own check would notice only within 5 s."""
+    ready_r, ready_w = os.pipe()
+    go_r, go_w = os.pipe()
+    trainer = os.fork()
+    if trainer == 0:
+        try:
+            loader = torch.utils.data.DataLoader(range(8), num_workers=1,
+                                                 worker_init_fn=preemption.data_workers_apart)
+            batches = iter(loader)
+            next(batches)  # the worker runs
+            os.write(ready_w, b"1")
+            os.read(go_r, 1)
+        finally:
+            os._exit(0)
+    try:
+        assert os.read(ready_r, 1) == b"1"
+        [worker] = children(trainer)
+        assert os.getpgid(worker) == worker != os.getpgid(trainer)
+    finally:
+        os.write(go_w, b"1")
+        os.waitpid(trainer, 0)
+    died = time.monotonic()
+    while running(worker) and time.monotonic() - died < 10:
+        time.sleep(0.01)
+    gone_after = time.monotonic() - died
+    if running(worker):
+        os.kill(worker, signal.SIGKILL)
+    assert gone_after < 2.5, f"the worker outlived its trainer by {gone_after:.1f} s"
 
 
 def test_iterating_the_loader_leaves_the_global_generator_alone():

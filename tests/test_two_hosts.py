@@ -20,13 +20,13 @@ import torch
 
 from common.two_hosts import HostError, create_hosts, cut_link, host_pids, in_host, restore_link, \
     teardown, torchrun_argv
-from conftest import TINY, python_cmd, read_jsonl, run, torchrun_cmd
+from ch04_runs import FLAGS as CH04_FLAGS, FREQ, KEEP, NAME, STEPS as CH04_STEPS, assert_same_as_uninterrupted
+from conftest import TINY, python_cmd, read_jsonl, run
 
 CH01, CH03, CH04 = "01-single-gpu/train_llm.py", "03-ddp/train_llm.py", "04-checkpointing/train_llm.py"
 STEPS = 10
 RTOL = 1e-5            # per-step loss and gradient norm, as in test_ch03_ddp.py
 WEIGHT_ATOL = 2e-4     # per weight element, as in test_ch03_ddp.py
-FREQ = 3               # chapter 04 checkpoint every 3 steps
 TIMEOUT = 8            # --timeout in the cable and name tests (seconds; short, yet safe on a busy CI machine)
 MARGIN = 15            # seconds after --timeout by which every process must have ended
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -108,17 +108,13 @@ def wait_for_step(metrics, step, procs, timeout=120):
         time.sleep(0.02)
 
 
-def compare_to(run_dir, ref_dir, exact=False):
+def compare_to(run_dir, ref_dir):
     """Per-step losses and gradient norms, and the final weights. Returns the largest
     relative loss difference (the figure for the README)."""
     got, ref = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(ref_dir / "metrics.jsonl")
     assert [r["step"] for r in got] == [r["step"] for r in ref] == list(range(1, STEPS + 1))
     a = torch.load(run_dir / "model.pt", weights_only=True)
     b = torch.load(ref_dir / "model.pt", weights_only=True)
-    if exact:
-        assert [r["loss"] for r in got] == [r["loss"] for r in ref]
-        assert all(torch.equal(a[k], b[k]) for k in b)
-        return 0.0
     for key in ("loss", "grad_norm"):
         assert [r[key] for r in got] == pytest.approx([r[key] for r in ref], rel=RTOL, abs=0), key
     for k in b:
@@ -150,21 +146,24 @@ def test_ddp_across_two_hosts_equals_chapter_01(hosts, tmp_path):
 
 # ---- (b), (c) chapter 04 across two hosts with node-local checkpoints -------------------
 
-def ch04_args(name, timeout):
-    return [*TINY, "--max-steps", STEPS, "--ckpt-freq", FREQ, "--timeout", timeout,
-            "--experiment-name", name]
+def ch04_args(timeout):
+    """Chapter 04's test settings (tests/ch04_runs.py: the default DataLoader worker, a
+    checkpoint every FREQ steps), with a short --timeout."""
+    return [*CH04_FLAGS, "--max-steps", CH04_STEPS, "--ckpt-freq", FREQ, "--keep-last", KEEP,
+            "--timeout", timeout, "--experiment-name", NAME]
 
 
-def test_ch04_on_two_hosts_cut_cable_then_resume_exactly(hosts, tmp_path):
+def test_ch04_on_two_hosts_cut_cable_then_resume_exactly(hosts, uninterrupted):
     """(c) The cable is cut mid-training: every process on both hosts ends soon after
     --timeout, each worker with one line; nothing is left running. (b) After the cable is
     back, the rerun resumes from the checkpoint rank 0 (host 1) wrote and reads; host 2
     receives it over the process group and never holds a checkpoint on its own disk. It
-    finishes with exactly the losses and weights of an uninterrupted run. (A SIGKILL of
+    finishes with exactly the losses and weights of chapter 04's uninterrupted run on one
+    machine, 2 processes, the same global batch (conftest's `uninterrupted`). (A SIGKILL of
     every process, then the rerun: test_ch04_checkpointing.py, on one machine.)"""
-    name, args = "ch04", ch04_args("ch04", TIMEOUT)
-    ckpt1, ckpt2 = hosts.save_dir(0) / name / "checkpoints", hosts.save_dir(1) / name / "checkpoints"
-    metrics = hosts.save_dir(0) / name / "metrics.jsonl"
+    args = ch04_args(TIMEOUT)
+    ckpt1, ckpt2 = hosts.save_dir(0) / NAME / "checkpoints", hosts.save_dir(1) / NAME / "checkpoints"
+    metrics = hosts.save_dir(0) / NAME / "metrics.jsonl"
 
     # (c) the cut cable
     procs, logs = start_both(hosts, CH04, args, tag="cut")
@@ -200,10 +199,7 @@ def test_ch04_on_two_hosts_cut_cable_then_resume_exactly(hosts, tmp_path):
     assert statuses == [0, 0], show(texts)
     assert f"resumed from {ckpt1 / f'step-{FREQ:08d}'}" in texts[0], show(texts)
     assert not ckpt2.exists()
-    # the reference: uninterrupted, 2 processes on one machine, the same global batch
-    ref_dir = tmp_path / "ref"
-    run(torchrun_cmd(2, CH04, *ch04_args(name, 120), "--save-dir", ref_dir), timeout=120)
-    compare_to(hosts.save_dir(0) / name, ref_dir / name, exact=True)
+    assert_same_as_uninterrupted(hosts.save_dir(0) / NAME, uninterrupted[1])
 
 
 # ---- (d) a wrong interface or address: one line naming the fix, at once ---------------
