@@ -24,8 +24,10 @@ FLAGS = [*TINY[:TINY.index("--num-workers")], *TINY[TINY.index("--num-workers") 
 
 
 def flags(save_dir, *extra):
+    """The chapter's flags in the tests; save_dir None: no --save-dir (the two-hosts test
+    gives each host its own)."""
     return [*FLAGS, "--max-steps", STEPS, "--ckpt-freq", FREQ, "--keep-last", KEEP,
-            "--save-dir", save_dir, "--experiment-name", NAME, *extra]
+            *(["--save-dir", save_dir] if save_dir else []), "--experiment-name", NAME, *extra]
 
 
 def train(save_dir, *extra, restarts=0, check=True, env=None, warm=True):

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from common.checkpoint_folder import RUN_DEFINING_FLAGS, run_settings
 from common.durable import read_manifest, sha256_of
 from conftest import load_script, run, torchrun_cmd
-from warm import children
+from warm import children, running
 
 ch04 = load_script("04-checkpointing/train_llm.py")  # puts its folder on sys.path
 import checkpoint  # noqa: E402  the chapter's lesson module, beside the script
@@ -179,15 +179,6 @@ def test_run_settings_name_the_flags_the_data_and_the_format():
     assert s["global batch"] == 16 and s["data fingerprint"] == "abc"
     assert s["format version"] == checkpoint.FORMAT_VERSION
     assert {"model_preset", "vocab_size", "seq_length", "lr", "seed"} <= set(s)
-
-
-def running(pid: int) -> bool:
-    """Alive and not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")

@@ -21,7 +21,7 @@ import pytest
 from common import runfolder
 from common.runfolder import claim_run_folder
 from conftest import REPO, read_json, read_jsonl, run, torchrun_cmd
-from warm import children
+from warm import children, running
 from ch04_runs import (CRASH, FREQ, NAME, SCRIPT, STEPS, assert_same_as_uninterrupted, copy_run, flags,
                        kill_job, snapshot, start_job, step_dir, train)
 
@@ -236,8 +236,7 @@ def test_workers_stop_when_their_launcher_is_killed(tmp_path):
     deadline = time.monotonic() + 30
     alive = workers
     while alive and time.monotonic() < deadline:
-        alive = [w for w in workers if os.path.exists(f"/proc/{w}") and
-                 "Z" not in open(f"/proc/{w}/stat").read().split()[2]]
+        alive = [w for w in workers if running(w)]
         time.sleep(0.1)
     for w in alive:  # cleanup before the verdict
         try:

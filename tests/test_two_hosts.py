@@ -20,7 +20,7 @@ import torch
 
 from common.two_hosts import HostError, create_hosts, cut_link, host_pids, in_host, restore_link, \
     teardown, torchrun_argv
-from ch04_runs import FLAGS as CH04_FLAGS, FREQ, KEEP, NAME, STEPS as CH04_STEPS, assert_same_as_uninterrupted
+from ch04_runs import FREQ, NAME, assert_same_as_uninterrupted, flags as ch04_flags
 from conftest import TINY, python_cmd, read_jsonl, run
 
 CH01, CH03, CH04 = "01-single-gpu/train_llm.py", "03-ddp/train_llm.py", "04-checkpointing/train_llm.py"
@@ -146,13 +146,6 @@ def test_ddp_across_two_hosts_equals_chapter_01(hosts, tmp_path):
 
 # ---- (b), (c) chapter 04 across two hosts with node-local checkpoints -------------------
 
-def ch04_args(timeout):
-    """Chapter 04's test settings (tests/ch04_runs.py: the default DataLoader worker, a
-    checkpoint every FREQ steps), with a short --timeout."""
-    return [*CH04_FLAGS, "--max-steps", CH04_STEPS, "--ckpt-freq", FREQ, "--keep-last", KEEP,
-            "--timeout", timeout, "--experiment-name", NAME]
-
-
 def test_ch04_on_two_hosts_cut_cable_then_resume_exactly(hosts, uninterrupted):
     """(c) The cable is cut mid-training: every process on both hosts ends soon after
     --timeout, each worker with one line; nothing is left running. (b) After the cable is
@@ -161,7 +154,7 @@ def test_ch04_on_two_hosts_cut_cable_then_resume_exactly(hosts, uninterrupted):
     finishes with exactly the losses and weights of chapter 04's uninterrupted run on one
     machine, 2 processes, the same global batch (conftest's `uninterrupted`). (A SIGKILL of
     every process, then the rerun: test_ch04_checkpointing.py, on one machine.)"""
-    args = ch04_args(TIMEOUT)
+    args = ch04_flags(None, "--timeout", TIMEOUT)  # chapter 04's test settings (tests/ch04_runs.py)
     ckpt1, ckpt2 = hosts.save_dir(0) / NAME / "checkpoints", hosts.save_dir(1) / NAME / "checkpoints"
     metrics = hosts.save_dir(0) / NAME / "metrics.jsonl"
 

@@ -59,6 +59,15 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def running(pid: int) -> bool:
+    """Alive and not a zombie (what /proc says)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def kill_launch(pid: int) -> None:
     """SIGKILL a launch at once: the launcher's process group and each rank's (the ranks
     start sessions of their own, as torchrun's workers do, so the launcher's group alone
