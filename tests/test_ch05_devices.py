@@ -20,7 +20,7 @@ import torch.distributed as dist
 from conftest import load_script
 
 from common import proof, sharding  # noqa: E402
-from common.environment import tf32_enabled  # noqa: E402
+from common.environment import set_tf32, tf32_enabled  # noqa: E402
 from common.distributed import Demo  # noqa: E402
 
 demo_script = load_script("05-collectives/collectives_demo.py")
@@ -222,8 +222,14 @@ def test_sharded_proves_in_fp64_and_times_in_the_training_dtype(group, monkeypat
                      torch.are_deterministic_algorithms_enabled(), tf32_enabled()))
         return step(self, x, y)
     monkeypatch.setattr(sharded.Trainer, "step", recording_step)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)  # what a GPU run starts with
-    assert sharded.run(args, demo) == 0
+    # TF32 on, as a GPU run starts: set through torch's API and put back by hand (pytest's
+    # monkeypatch cannot restore a flag that cuBLASModule keeps outside its __dict__)
+    was = tf32_enabled()
+    set_tf32(True)
+    try:
+        assert sharded.run(args, demo) == 0
+    finally:
+        set_tf32(was)
     proof_steps = [(m, d) for m, d, det, tf32 in seen if det and not tf32]
     timed = [(m, d) for m, d, det, tf32 in seen if not det and tf32]
     assert proof_steps == [("ddp", torch.float64), ("zero1", torch.float64)] * 2, seen
