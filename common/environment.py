@@ -28,24 +28,18 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 def set_tf32(enabled: bool) -> None:
     """Let fp32 matmuls and cuDNN convolutions on CUDA use TF32 tensor cores (10-bit
-    mantissa, several times faster), or not. Through `fp32_precision` where torch has it
-    (2.9 on): it deprecates the `allow_tf32` flags, and reading one API after writing the
-    other is an error there. The `allow_tf32` flags on older torch."""
-    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
-    if hasattr(matmul, "fp32_precision"):
-        precision = "tf32" if enabled else "ieee"
-        for flags in (matmul, cudnn.conv, cudnn.rnn):
-            flags.fp32_precision = precision
-    else:
-        matmul.allow_tf32 = cudnn.allow_tf32 = enabled
+    mantissa, several times faster), or not. Through `fp32_precision` (torch 2.9 on): it
+    deprecates the `allow_tf32` flags, and reading one API after writing the other is an
+    error, so this guide reads and writes the new one only."""
+    precision = "tf32" if enabled else "ieee"
+    for flags in (torch.backends.cuda.matmul, torch.backends.cudnn.conv, torch.backends.cudnn.rnn):
+        flags.fp32_precision = precision
 
 
 def tf32_enabled() -> bool:
-    """Whether fp32 matmuls on CUDA may use TF32, read through the API `set_tf32` writes."""
-    matmul = torch.backends.cuda.matmul
-    if hasattr(matmul, "fp32_precision"):
-        return matmul.fp32_precision == "tf32"
-    return matmul.allow_tf32
+    """Whether fp32 matmuls on CUDA may use TF32, read through the API `set_tf32` writes
+    (torch's default, 'none' on some versions, means IEEE fp32: TF32 matmuls are opt-in)."""
+    return torch.backends.cuda.matmul.fp32_precision == "tf32"
 
 
 def device_name(device: torch.device | str) -> str:

@@ -193,7 +193,9 @@ def test_benchmark_refuses_buffers_that_do_not_fit(tmp_path):
     assert len(errors) == 1, proc.stderr
     assert errors[0].startswith(f"error: --max-bytes {2**44}: the largest buffers need about 65536.0 GiB on "
                                 f"this machine (2 ranks) and ") and errors[0].endswith("lower --max-bytes")
-    assert proc.stdout == "" and not save.exists()
+    # nothing printed but torch's own: gloo 2.9 announces each rank's connection on stdout
+    assert [line for line in proc.stdout.splitlines() if not line.startswith("[Gloo] ")] == [], proc.stdout
+    assert not save.exists()
 
 
 def test_benchmark_writes_busbw_with_the_right_factors(tmp_path):

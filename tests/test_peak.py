@@ -7,15 +7,13 @@ from __future__ import annotations
 import json
 import math
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 import common.peak_flops as peak
-from common.environment import set_tf32, tf32_enabled
 from common.peak import main as peak_command
-from common.peak_flops import cache_key, datasheet_peak, device_peak, matmul_precision, measured_peak
+from common.peak_flops import cache_key, datasheet_peak, device_peak, measured_peak
 from conftest import run
 
 
@@ -51,8 +49,8 @@ def test_datasheet_peak(name, precision, tflops):
 
 def test_matmul_precision_follows_dtype_and_tf32_setting():
     """The TF32 switch and the peak's precision read the same setting, through the API
-    this torch has (`fp32_precision` from torch 2.9, where reading the legacy
-    `allow_tf32` after writing the new API is an error). The attributes exist without
+    torch 2.9 on has (`fp32_precision`; reading the legacy `allow_tf32` after
+    writing the new API is an error). The attributes exist without
     CUDA; a fresh interpreter, since the switch is process-wide."""
     code = """if True:
         import torch
@@ -65,26 +63,10 @@ def test_matmul_precision_follows_dtype_and_tf32_setting():
             seen.append((tf32_enabled(), matmul_precision("cuda", "fp32"), matmul_precision("cpu", "fp32")))
         assert seen == [(True, "tf32", "fp32"), (False, "fp32", "fp32"), (True, "tf32", "fp32")], seen
         matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
-        if hasattr(matmul, "fp32_precision"):   # the new API, written alone
-            assert [f.fp32_precision for f in (matmul, cudnn.conv, cudnn.rnn)] == ["tf32"] * 3
-        else:
-            assert matmul.allow_tf32 and cudnn.allow_tf32
+        assert [f.fp32_precision for f in (matmul, cudnn.conv, cudnn.rnn)] == ["tf32"] * 3
         print("ok")
     """
     assert run([sys.executable, "-c", code]).stdout.strip() == "ok"
-
-
-def test_tf32_switch_uses_the_legacy_flags_where_torch_has_no_fp32_precision(monkeypatch):
-    """torch before 2.9 (pyproject allows 2.6): only `allow_tf32`, on cuBLAS and cuDNN."""
-    matmul, cudnn = SimpleNamespace(allow_tf32=False), SimpleNamespace(allow_tf32=False)
-    monkeypatch.setattr(torch.backends.cuda, "matmul", matmul)
-    monkeypatch.setattr(torch.backends, "cudnn", cudnn)
-    set_tf32(True)
-    assert matmul.allow_tf32 and cudnn.allow_tf32 and tf32_enabled()
-    assert matmul_precision("cuda", "fp32") == "tf32"
-    set_tf32(False)
-    assert not matmul.allow_tf32 and not cudnn.allow_tf32 and not tf32_enabled()
-    assert matmul_precision("cuda", "fp32") == "fp32"
 
 
 def test_a_known_gpu_uses_its_datasheet_and_measures_nothing(monkeypatch, tmp_path):
