@@ -13,7 +13,8 @@ base and medium at sequence 1024, eager and compiled), and (4) writes `results.j
 device, driver, torch and CUDA versions, the date, each step's outcome and time, and the
 throughput targets met or not. Every file lands in the folder given, which must be new or
 empty. `--download-wheels` is its companion, run where PyPI is reachable: it downloads
-the wheels for the GPU machine's Python into `.whl/` (ignored by git).
+the wheels for the GPU machine's Python into `.whl/` (ignored by git), with an older
+`datasets` beside the newest for an image whose pyarrow the newest does not accept.
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ NEEDED = ("datasets", "pytest")
 # The GPU machine's image holds these (and recent versions): leaving their wheels out
 # keeps what travels with the repository small.
 ALREADY_THERE = ("pyarrow", "numpy", "pandas")
+# Downloaded too, for an image whose pyarrow is older than the newest `datasets` needs
+# (5.1 and later need pyarrow >= 24; 5.0 takes 21 and later): pip's resolver, offered
+# both, installs the newest that the installed pyarrow satisfies.
+FALLBACKS = ("datasets>=4,<5.1",)
 BENCH_ARGS = ["--presets", "small", "base", "medium", "--seq-length", "1024", "--batch-size", "16",
               "--iters", "10", "--warmup", "3"]
 # (what, where in the results, at least): the targets on one H100 in bf16.
@@ -154,18 +159,22 @@ def read_json_or_none(path: Path):
         return None
 
 
-def download_wheels(dest: Path, python_version: str, packages: list[str], exclude: list[str]) -> int:
+def download_wheels(dest: Path, python_version: str, packages: list[str], exclude: list[str],
+                    fallbacks=FALLBACKS) -> int:
     """pip download the packages and their dependencies as wheels for CPython
-    `python_version` on x86-64 Linux into `dest`, then drop the excluded projects' wheels."""
+    `python_version` on x86-64 Linux into `dest`, then each fallback requirement with its
+    own (one pip call each: one call resolves one version of a project), then drop the
+    excluded projects' wheels."""
     dest.mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, "-m", "pip", "download", "--dest", str(dest), "--only-binary=:all:",
-            "--python-version", python_version, "--implementation", "cp",
-            *[a for p in ("manylinux2014_x86_64", "manylinux_2_17_x86_64", "manylinux_2_28_x86_64", "any")
-              for a in ("--platform", p)], *packages]
-    print(shlex.join(argv), flush=True)
-    status = subprocess.run(argv).returncode
-    if status != 0:
-        return status
+    for requirements in ([*packages], *([f] for f in fallbacks)):
+        argv = [sys.executable, "-m", "pip", "download", "--dest", str(dest), "--only-binary=:all:",
+                "--python-version", python_version, "--implementation", "cp",
+                *[a for p in ("manylinux2014_x86_64", "manylinux_2_17_x86_64", "manylinux_2_28_x86_64", "any")
+                  for a in ("--platform", p)], *requirements]
+        print(shlex.join(argv), flush=True)
+        status = subprocess.run(argv).returncode
+        if status != 0:
+            return status
     dropped = [w for w in dest.glob("*.whl") if w.name.split("-")[0].lower().replace("_", "-") in exclude]
     for wheel in dropped:
         wheel.unlink()

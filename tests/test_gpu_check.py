@@ -68,3 +68,33 @@ def test_the_environment_says_what_ran_where():
     assert env["torch"] == gpu_check.torch.__version__ and env["python"] == sys.version.split()[0]
     assert env["date_utc"][:2] == "20" and env["cuda_devices"] == []  # no GPU here
     assert env["commit"] is None or len(env["commit"]) == 40
+
+
+def test_the_wheels_are_the_newest_plus_a_fallback_less_what_the_gpu_image_has(tmp_path, monkeypatch, capsys):
+    """One pip download for what the guide needs, one more for each fallback requirement
+    (an older `datasets` for an older pyarrow), for the GPU machine's Python; the wheels
+    of projects the image has are dropped afterwards, the others kept."""
+    calls = []
+
+    def fake_pip(argv):
+        calls.append(argv)
+        dest = argv[argv.index("--dest") + 1]
+        for name in ("datasets-5.2.0-py3-none-any.whl", "pyarrow-26.0.1-cp312-cp312-x.whl",
+                     "huggingface_hub-1.33.0-py3-none-any.whl"):
+            (tmp_path / "w" / name).write_bytes(b"wheel")
+        assert dest == str(tmp_path / "w")
+        return type("Done", (), {"returncode": 0})()
+    monkeypatch.setattr(gpu_check.subprocess, "run", fake_pip)
+    assert gpu_check.download_wheels(tmp_path / "w", "3.12", ["datasets", "pytest"], ["pyarrow"],
+                                     fallbacks=("datasets>=4,<5.1",)) == 0
+    assert len(calls) == 2 and calls[0][-2:] == ["datasets", "pytest"] and calls[1][-1] == "datasets>=4,<5.1"
+    assert all(c[c.index("--python-version") + 1] == "3.12" and "--only-binary=:all:" in c for c in calls)
+    assert sorted(w.name for w in (tmp_path / "w").iterdir()) == [
+        "datasets-5.2.0-py3-none-any.whl", "huggingface_hub-1.33.0-py3-none-any.whl"]
+    assert "left out, the GPU machine has them: pyarrow-26.0.1" in capsys.readouterr().out
+
+    calls.clear()
+    monkeypatch.setattr(gpu_check.subprocess, "run", lambda argv: calls.append(argv) or
+                        type("Failed", (), {"returncode": 1})())
+    assert gpu_check.download_wheels(tmp_path / "w", "3.12", ["datasets"], [], fallbacks=("x<2",)) == 1
+    assert len(calls) == 1  # a failed download stops there

@@ -18,8 +18,10 @@ import time
 import pytest
 import torch
 
+# (teardown under another name: pytest before 8 calls a module-level `teardown(module)`
+# after the module's last test, nose-style)
 from common.two_hosts import HostError, create_hosts, cut_link, host_pids, in_host, restore_link, \
-    teardown, torchrun_argv
+    teardown as remove_hosts, torchrun_argv
 from ch04_runs import FREQ, NAME, assert_same_as_uninterrupted, flags as ch04_flags
 from conftest import TINY, python_cmd, read_jsonl, run
 
@@ -51,7 +53,7 @@ def hosts(tmp_path_factory, guide_cache):
             shutil.copytree(guide_cache, h.cache(i), dirs_exist_ok=True)
         yield h
     finally:
-        teardown(h)
+        remove_hosts(h)
         assert not any(host_pids(n) for n in h.names)
 
 
