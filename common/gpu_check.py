@@ -6,8 +6,8 @@
     python -m common.gpu_check --out suite --no-bench -k "not chapter_05"   # a part of it
 
 On the GPU machine it (1) installs what cannot be imported there (`datasets`, say) from
-the wheels brought along in `.whl/` (`pip install --no-index --find-links`: no registry
-needed), (2) runs the GPU test suite (`python -m pytest -q -m gpu tests/`, JUnit XML and
+the wheels brought along in `.whl/` (no registry needed; into a folder of its own, see
+`plan`), (2) runs the GPU test suite (`python -m pytest -q -m gpu tests/`, JUnit XML and
 log), (3) runs the model benchmark in bf16 (`python -m common.bench_model`, presets small,
 base and medium at sequence 1024, eager and compiled), and (4) writes `results.json`: the
 device, driver, torch and CUDA versions, the date, each step's outcome and time, and the
@@ -27,6 +27,7 @@ import shlex
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,9 @@ from .jsonfiles import write_json
 
 REPO = Path(__file__).resolve().parents[1]
 WHEELS = REPO / ".whl"
+# Where the missing packages are installed (see `plan`), and pip's plan for them.
+SITE = Path(tempfile.gettempdir()) / f"llm-guide-site-{os.getuid()}"
+INSTALL_PLAN = "install_plan.json"
 # What the guide needs beyond what a GPU image with torch usually has; installed only
 # where it cannot be imported.
 NEEDED = ("datasets", "pytest")
@@ -74,14 +78,24 @@ def missing_modules(names=NEEDED) -> list[str]:
 
 
 def plan(out: Path, missing: list[str], wheels: Path = WHEELS, tests: bool = True,
-         bench: bool = True, select: str | None = None) -> list[Step]:
+         bench: bool = True, select: str | None = None, site: Path | None = None) -> list[Step]:
     """The steps of a run, in order: install what is missing, the GPU suite (only its tests
-    that pytest's `-k select` picks, if given), the benchmark."""
+    that pytest's `-k select` picks, if given), the benchmark.
+
+    The install is two steps, so that it works where the Python environment cannot be
+    written (an image's environment owned by another user): pip resolves what is missing
+    against what is installed, without installing (`--dry-run --report`), and then
+    installs just the wheels that report names into `site` (`--target`), a folder the
+    later steps find through PYTHONPATH, ahead of the environment's own packages."""
     py = sys.executable
     steps = []
     if missing:
-        steps.append(Step("install", [py, "-m", "pip", "install", "--no-index", "--find-links", str(wheels),
-                                      *missing], "install.log", timeout_s=900))
+        steps.append(Step("resolve", [py, "-m", "pip", "install", "--dry-run", "--quiet", "--report",
+                                      str(out / INSTALL_PLAN), "--no-index", "--find-links", str(wheels),
+                                      *missing], "resolve.log", timeout_s=900))
+        # the wheel files install_plan.json names are appended when it has been written
+        steps.append(Step("install", [py, "-m", "pip", "install", "--no-deps", "--no-index", "--upgrade",
+                                      "--target", str(site or SITE)], "install.log", timeout_s=900))
     if tests:
         steps.append(Step("gpu tests", [py, "-m", "pytest", "-q", "-m", "gpu", "tests/",
                                         f"--junitxml={out / 'gpu_tests.xml'}",
@@ -93,10 +107,19 @@ def plan(out: Path, missing: list[str], wheels: Path = WHEELS, tests: bool = Tru
     return steps
 
 
-def run_step(step: Step, out: Path) -> dict:
-    """Run one step from the repo root, its output into its log; its outcome and time."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-           "PYTHONUNBUFFERED": "1", **step.env}
+def planned_wheels(report: Path) -> list[str]:
+    """The wheel files a `pip install --dry-run --report` chose (local files, from
+    --find-links), in its order."""
+    from urllib.parse import unquote, urlparse
+    items = json.loads(report.read_text())["install"]
+    return [unquote(urlparse(item["download_info"]["url"]).path) for item in items]
+
+
+def run_step(step: Step, out: Path, site: Path | None = None) -> dict:
+    """Run one step from the repo root, its output into its log; its outcome and time.
+    The repo and `site` (the installed missing packages) come first on PYTHONPATH."""
+    path = [str(REPO), str(site) if site else None, os.environ.get("PYTHONPATH")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path)), "PYTHONUNBUFFERED": "1", **step.env}
     print(f"== {step.name}: {shlex.join(step.argv)}  (log: {out / step.log})", flush=True)
     t0 = time.perf_counter()
     with open(out / step.log, "w") as log:
@@ -109,6 +132,19 @@ def run_step(step: Step, out: Path) -> dict:
     print(f"   {step.name}: {'ok' if status == 0 else f'FAILED ({status})'} in {seconds:,.0f} s", flush=True)
     return {"name": step.name, "command": shlex.join(step.argv), "log": step.log, "status": status,
             "seconds": seconds}
+
+
+def run_steps(steps: list[Step], out: Path, site: Path | None, results: dict) -> None:
+    """Run the steps in order into `results["steps"]`, saving results.json after each;
+    the install's wheels are those the resolve step's plan names. A failed resolve or
+    install ends the run: nothing after it could import what it needs."""
+    for step in steps:
+        if step.name == "install":
+            step.argv += planned_wheels(out / INSTALL_PLAN)
+        results["steps"].append(run_step(step, out, site))
+        write_json(out / "results.json", results)
+        if step.name in ("resolve", "install") and results["steps"][-1]["status"] != 0:
+            break
 
 
 def nvidia_smi() -> dict:
@@ -228,18 +264,15 @@ def main(argv=None) -> int:
         if not missing:
             print(f"   ({', '.join(NEEDED)} already importable: nothing to install)")
         for step in steps:
-            print(f"== {step.name}: {shlex.join(step.argv)}  (log: {step.log})")
+            more = f" <the wheels {INSTALL_PLAN} names>" if step.name == "install" else ""
+            print(f"== {step.name}: {shlex.join(step.argv)}{more}  (log: {step.log})")
         print("then results.json: device, driver, torch, date, each step, the targets")
         return 0
     out.mkdir(parents=True, exist_ok=True)
     results = {"environment": environment(), "steps": []}
     print(f"{results['environment']['cuda_devices']}, driver {results['environment']['nvidia_smi'].get('driver')}, "
           f"torch {torch.__version__}: results into {out}", flush=True)
-    for step in steps:
-        results["steps"].append(run_step(step, out))
-        if step.name == "install" and results["steps"][-1]["status"] != 0:
-            break  # nothing after it can import what it needs
-        write_json(out / "results.json", results)
+    run_steps(steps, out, SITE if missing else None, results)
     results["gpu_tests"] = read_json_or_none(out / "gpu_tests.json")
     results["bench_model"] = read_json_or_none(out / "bench_model.json")
     results["targets"] = targets(results)

@@ -5,7 +5,9 @@ targets from the results. (The GPU steps themselves run only on a GPU machine.)"
 
 from __future__ import annotations
 
+import importlib.util
 import sys
+from pathlib import Path
 
 from common import gpu_check
 from conftest import refused
@@ -26,10 +28,13 @@ def test_dry_run_lists_the_steps_and_creates_nothing(tmp_path, capsys):
 
 def test_only_what_cannot_be_imported_is_installed_offline(tmp_path):
     assert gpu_check.missing_modules(("json", "no_such_module_here")) == ["no_such_module_here"]
-    steps = gpu_check.plan(tmp_path, ["datasets"], wheels=tmp_path / "w", tests=False)
-    assert [s.name for s in steps] == ["install", "bench_model"]
-    assert steps[0].argv[1:] == ["-m", "pip", "install", "--no-index", "--find-links", str(tmp_path / "w"),
-                                 "datasets"]
+    steps = gpu_check.plan(tmp_path, ["datasets"], wheels=tmp_path / "w", tests=False, site=tmp_path / "site")
+    assert [s.name for s in steps] == ["resolve", "install", "bench_model"]
+    assert steps[0].argv[1:] == ["-m", "pip", "install", "--dry-run", "--quiet", "--report",
+                                 str(tmp_path / "install_plan.json"), "--no-index", "--find-links",
+                                 str(tmp_path / "w"), "datasets"]
+    assert steps[1].argv[1:] == ["-m", "pip", "install", "--no-deps", "--no-index", "--upgrade",
+                                 "--target", str(tmp_path / "site")]  # + the wheels the plan names
     gpu_tests = gpu_check.plan(tmp_path, [], bench=False)[0]
     assert gpu_tests.env == {"LLM_GUIDE_GPU_RESULTS": str(tmp_path)}  # where the tests record
     [some] = gpu_check.plan(tmp_path, [], bench=False, select="ch05")
@@ -98,3 +103,52 @@ def test_the_wheels_are_the_newest_plus_a_fallback_less_what_the_gpu_image_has(t
                         type("Failed", (), {"returncode": 1})())
     assert gpu_check.download_wheels(tmp_path / "w", "3.12", ["datasets"], [], fallbacks=("x<2",)) == 1
     assert len(calls) == 1  # a failed download stops there
+
+
+def wheel(folder, name: str, requires: list[str]):
+    """A pure-Python wheel of one module `name` (version 1.0) that requires `requires`."""
+    import base64
+    import hashlib
+    import zipfile
+    files = {f"{name}/__init__.py": f"NAME = {name!r}\n",
+             f"{name}-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: " + name + "\nVersion: 1.0\n"
+             + "".join(f"Requires-Dist: {r}\n" for r in requires),
+             f"{name}-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    record = [f"{path},sha256={base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b'=').decode()},"
+              f"{len(text.encode())}" for path, text in files.items()]
+    files[f"{name}-1.0.dist-info/RECORD"] = "\n".join(record + [f"{name}-1.0.dist-info/RECORD,,"]) + "\n"
+    with zipfile.ZipFile(folder / f"{name}-1.0-py3-none-any.whl", "w") as z:
+        for path, text in files.items():
+            z.writestr(path, text)
+
+
+def test_the_install_resolves_against_what_is_installed_and_writes_only_into_its_site(tmp_path):
+    """Offline, as on the GPU machine: pip plans against the installed packages (pytest,
+    installed here, is not in the plan although required), and installs the planned
+    wheels into the site folder alone; the next step imports them through PYTHONPATH,
+    and this environment has not changed."""
+    wheels, out, site = tmp_path / "wheels", tmp_path / "out", tmp_path / "site"
+    wheels.mkdir(), out.mkdir()
+    wheel(wheels, "guide_probe", ["guide_probe_dep", "pytest"])
+    wheel(wheels, "guide_probe_dep", [])
+    steps = gpu_check.plan(out, ["guide_probe"], wheels, tests=False, bench=False, site=site)
+    steps.append(gpu_check.Step("use", [sys.executable, "-c", "import guide_probe, guide_probe_dep, pytest"],
+                                "use.log"))
+    results = {"steps": []}
+    gpu_check.run_steps(steps, out, site, results)
+    assert [(s["name"], s["status"]) for s in results["steps"]] == [("resolve", 0), ("install", 0), ("use", 0)], \
+        [(out / s["log"]).read_text()[-2000:] for s in results["steps"]]
+    assert sorted(p.name.split("-")[0] for p in map(Path, gpu_check.planned_wheels(out / "install_plan.json"))) \
+        == ["guide_probe", "guide_probe_dep"]
+    assert (site / "guide_probe" / "__init__.py").exists() and (site / "guide_probe_dep").is_dir()
+    assert importlib.util.find_spec("guide_probe") is None  # this environment untouched
+    assert gpu_check.read_json_or_none(out / "results.json")["steps"][-1]["name"] == "use"
+
+
+def test_a_failed_resolve_ends_the_run(tmp_path):
+    (tmp_path / "wheels").mkdir()
+    steps = gpu_check.plan(tmp_path, ["no_such_project_here"], tmp_path / "wheels", tests=False, site=tmp_path / "s")
+    results = {"steps": []}
+    gpu_check.run_steps(steps, tmp_path, tmp_path / "s", results)
+    assert [s["name"] for s in results["steps"]] == ["resolve"] and results["steps"][0]["status"] != 0
+    assert not (tmp_path / "s").exists()
