@@ -7,9 +7,10 @@ DDP keeps everything whole on every rank: parameters, gradients, AdamW's two mom
   zero3  shards everything (ZeRO-3): each module's parameters are all-gathered before its
          forward and again before its backward, freed after each; gradients reduce-scattered;
   fsdp2  torch's fully_shard on every decoder layer, then on the whole model.
-Prove: --proof-steps fp64 steps of every mode from the same weights on the same batches;
-the final weights must equal DDP's within the rounding bound that summation order allows
-(common.proof.adam_rounding_bound: 0 on 2 ranks), else exit 1. Time: --steps steps in the
+Prove: --proof-steps fp64 steps of every mode on the same batches, each step from DDP's
+state (weights and AdamW moments); after each step every mode's weights must equal DDP's
+within the rounding bound that summation order allows in one step
+(common.proof.adam_step_bound: 0 on 2 ranks), else exit 1. Time: --steps steps in the
 chapters' training dtype (bf16 autocast on GPUs, fp32 on CPUs), modes interleaved step by
 step. Prints bytes held and sent per rank, tokens/s.
 
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import distribute_tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import record_function
 from tqdm import tqdm
@@ -86,17 +88,38 @@ class FlatShard:
         for p, view in zip(self.params, self.views(self.full)):
             view.copy_(p.detach())
             p.data = view  # the model's parameter now lives inside the flat buffer
-        lo = rank * size
+        lo = self.lo = rank * size
         self.shard = self.full[lo:lo + size]  # zero1: a view; zero3: the only copy kept
         self.shard = self.shard if keep_full else self.shard.clone()
         self.grad_shard = torch.zeros_like(self.shard)
-        cut = min(max(decay_numel - lo, 0), size)
+        cut = self.cut = min(max(decay_numel - lo, 0), size)
         self.decay, self.no_decay = [self.shard[:cut]], [self.shard[cut:]]
         self.decay[0].grad, self.no_decay[0].grad = self.grad_shard[:cut], self.grad_shard[cut:]
 
     def views(self, flat):
         """One view of `flat` per parameter, shaped like it."""
         return [v.view_as(p) for v, p in zip(flat[:sum(self.sizes)].split(self.sizes), self.params)]
+
+    def take(self, optimizer, ddp_state, index):
+        """Proof only: DDP's weights and AdamW moments (`ddp_state`: three lists, per
+        parameter in model order; `index`: each of our parameters' place in that order)
+        into the flat buffer, where it is allocated, and into this rank's slices."""
+        values, avg, avg_sq = (self.slice_of([ts[index[p]] for p in self.params]) for ts in ddp_state)
+        if self.full.untyped_storage().size():  # zero1 keeps the full buffer; zero3 frees it
+            self.full.copy_(values[1])
+        self.shard.copy_(values[0])
+        for piece, part in ((self.decay[0], slice(0, self.cut)), (self.no_decay[0], slice(self.cut, None))):
+            if piece.numel():  # an empty piece joined no AdamW group
+                optimizer.state[piece]["exp_avg"].copy_(avg[0][part])
+                optimizer.state[piece]["exp_avg_sq"].copy_(avg_sq[0][part])
+
+    def slice_of(self, tensors):
+        """(this rank's slice, the whole flat buffer) of `tensors` laid out as the
+        parameters are."""
+        flat = torch.zeros(self.full.numel(), dtype=self.shard.dtype, device=self.shard.device)
+        for t, view in zip(tensors, self.views(flat)):
+            view.copy_(t)
+        return flat[self.lo:self.lo + self.shard.numel()], flat
 
 
 # ------------------------------------------------------------------------ the modes
@@ -163,6 +186,13 @@ class Trainer:
     def full_parameters(self):
         return [p.detach().clone() for p in self.model.parameters()]
 
+    def take_state(self, ddp_state):
+        """Proof only: DDP's weights and AdamW moments (see `ddp_state`) become this mode's,
+        so that its next step starts where DDP's does. DDP's own trainer has them."""
+
+    def index(self):
+        return {p: i for i, p in enumerate(self.model.parameters())}
+
 
 class ZeRO1(Trainer):
     def setup(self):
@@ -186,6 +216,9 @@ class ZeRO1(Trainer):
 
     def state_tensors(self):
         return [self.flat.full], [self.flat.grad_full, self.flat.grad_shard]
+
+    def take_state(self, ddp_state):
+        self.flat.take(self.optimizer, ddp_state, self.index())
 
 
 class ShardedUnit(FlatShard):
@@ -241,6 +274,11 @@ class ZeRO3(Trainer):
     def state_tensors(self):
         return [u.shard for u in self.units], [u.grad_shard for u in self.units]
 
+    def take_state(self, ddp_state):
+        index = self.index()
+        for u in self.units:
+            u.take(self.optimizer, ddp_state, index)
+
     def full_parameters(self):
         for u in self.units:
             u.gather()
@@ -266,8 +304,27 @@ class FSDP2(Trainer):
     def full_parameters(self):
         return [p.full_tensor().detach() for p in self.model.parameters()]
 
+    def take_state(self, ddp_state):
+        # each DTensor keeps its shard of DDP's tensor (the same on every rank: no collective)
+        with torch.no_grad():
+            for p, value, avg, avg_sq in zip(self.model.parameters(), *ddp_state):
+                def shard(t):
+                    return distribute_tensor(t, p.device_mesh, p.placements, src_data_rank=None)
+                p.copy_(shard(value))
+                self.optimizer.state[p]["exp_avg"].copy_(shard(avg))
+                self.optimizer.state[p]["exp_avg_sq"].copy_(shard(avg_sq))
+
 
 TRAINERS = {"ddp": Trainer, "zero1": ZeRO1, "zero3": ZeRO3, "fsdp2": FSDP2}
+
+
+def ddp_state(trainer):
+    """DDP's weights and AdamW's two moments: three lists, one tensor per parameter, in
+    model order (the same order in every mode's model)."""
+    params = list(trainer.model.parameters())
+    state = trainer.optimizer.state
+    return ([p.detach() for p in params], [state[p]["exp_avg"] for p in params],
+            [state[p]["exp_avg_sq"] for p in params])
 
 
 # ------------------------------------------------------------------------------ main
@@ -311,14 +368,11 @@ def run(args, demo):
     timing_dtype = "bf16 autocast" if cuda else "fp32"
     summary = sharding.start_summary(args, demo, config, n_params, timing_dtype)
 
-    # ---- 1. prove, in fp64: every mode's weights against DDP's ----------------------
+    # ---- 1. prove, in fp64: every mode's weights against DDP's, step by step -------
     diffs, failures = {}, []
     if "ddp" in args.modes:
         with proof.exact_kernels():
-            trainers = train(args, config, demo, batches[:args.proof_steps],
-                             f"proof: {args.proof_steps} fp64 steps of each mode", torch.float64)
-            diffs, failures, summary["proof_bound"] = prove(trainers, args)
-        del trainers
+            diffs, failures, summary["proof_bound"] = prove(args, config, demo, batches[:args.proof_steps])
 
     # ---- 2. time, in the training dtype ----------------------------------------------
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else None
@@ -336,30 +390,44 @@ def run(args, demo):
     return 1 if failures else 0
 
 
-def prove(trainers, args):
-    """Every mode's final weights (gathered whole) against DDP's, element by element,
-    within the bound that summation order alone allows; and every rank's copy the same.
-    Returns (per-mode figures, failures, bound)."""
-    demo = trainers["ddp"].demo
-    finals = {mode: t.full_parameters() for mode, t in trainers.items()}
-    steps_done = len(trainers["ddp"].times)
-    largest_grad = proof.max_over_ranks(trainers["ddp"].largest_grad.item(), demo.device)
-    bound = proof.adam_rounding_bound(demo.world, finals["ddp"][0].dtype, args.lr, steps_done,
-                                      largest_grad, BETAS, EPS)
-    diffs, failures = {}, []
-    for mode in trainers:
-        d = diffs[mode] = {
-            "ranks_differ": proof.max_difference_to_rank0(finals[mode]),
-            "max_abs_diff_vs_ddp": proof.max_over_ranks(proof.max_abs_difference(finals[mode], finals["ddp"]),
-                                                        demo.device),
-            "max_rel_diff_vs_ddp": proof.max_over_ranks(
-                proof.max_relative_difference(finals[mode], finals["ddp"]), demo.device)}
-        if d["ranks_differ"] != 0.0:
-            failures.append(f"{mode}: ranks hold different weights (by {d['ranks_differ']:.3g})")
-        if d["max_abs_diff_vs_ddp"] > bound:
-            failures.append(f"{mode}: a weight differs from DDP's by {d['max_abs_diff_vs_ddp']:.3g} > "
-                            f"{bound:.3g}, the most that summation order allows")
-    return diffs, failures, bound
+def prove(args, config, demo, batches):
+    """Every mode in fp64 on the same batches, one step at a time. After each step, each
+    mode's weights (gathered whole) are compared with DDP's, element by element, within
+    the bound that summation order allows in one step (the ranks' copies must be equal);
+    then every mode takes DDP's weights and moments, so that the next step starts from
+    the same state again and a difference cannot grow from step to step. Returns
+    (per-mode figures: the largest difference over the steps; failures; the largest
+    one-step bound)."""
+    trainers = {mode: TRAINERS[mode](mode, args, config, demo, torch.float64) for mode in args.modes}
+    ddp = trainers["ddp"]
+    diffs = {mode: {"ranks_differ": 0.0, "max_abs_diff_vs_ddp": 0.0, "max_rel_diff_vs_ddp": 0.0}
+             for mode in trainers}
+    failures, bounds = [], []
+    for step, (x, y) in enumerate(steps(batches, f"proof: {len(batches)} fp64 steps of each mode, "
+                                        f"each from DDP's state", demo), start=1):
+        ddp.largest_grad.zero_()
+        for t in trainers.values():
+            t.step(x, y)
+        finals = {mode: t.full_parameters() for mode, t in trainers.items()}
+        largest_grad = proof.max_over_ranks(ddp.largest_grad.item(), demo.device)
+        bound = proof.adam_step_bound(demo.world, torch.float64, args.lr, step, largest_grad, BETAS, EPS)
+        bounds.append(bound)
+        for mode, final in finals.items():
+            d, ranks_differ = diffs[mode], proof.max_difference_to_rank0(final)
+            vs_ddp = proof.max_over_ranks(proof.max_abs_difference(final, finals["ddp"]), demo.device)
+            d["ranks_differ"] = max(d["ranks_differ"], ranks_differ)
+            d["max_abs_diff_vs_ddp"] = max(d["max_abs_diff_vs_ddp"], vs_ddp)
+            d["max_rel_diff_vs_ddp"] = max(d["max_rel_diff_vs_ddp"], proof.max_over_ranks(
+                proof.max_relative_difference(final, finals["ddp"]), demo.device))
+            if ranks_differ != 0.0:
+                failures.append(f"{mode}: ranks hold different weights after step {step} (by {ranks_differ:.3g})")
+            if vs_ddp > bound:
+                failures.append(f"{mode}: after step {step} a weight differs from DDP's by {vs_ddp:.3g} > "
+                                f"{bound:.3g}, the most that summation order allows in one step")
+        state = ddp_state(ddp)
+        for t in trainers.values():
+            t.take_state(state)
+    return diffs, failures, max(bounds)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ rebuilt from collectives, against DDP), and the rounding bound they are held to.
 - `max_over_ranks`: the largest of every rank's number (a collective).
 - `max_relative_difference`, `max_abs_difference`: two sets of tensors on one rank.
 - `max_difference_to_rank0`: are the ranks' copies identical? (a collective)
-- `adam_rounding_bound`: how far summation order alone can move AdamW's weights.
+- `adam_step_bound`: how far summation order alone can move AdamW's weights in one step.
 - `exact_kernels`: deterministic kernels and no TF32 while a proof runs.
 
 Every tensor a collective here sends lives on the device the caller's tensors (or
@@ -68,10 +68,11 @@ def adam_ratio_bound(betas: tuple[float, float], step: int) -> float:
     return (1 - b1) * math.sqrt((1 - b2 ** step) * series) / ((1 - b1 ** step) * math.sqrt(1 - b2))
 
 
-def adam_rounding_bound(world: int, dtype: torch.dtype, lr: float, steps: int, max_grad: float,
-                        betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8) -> float:
-    """The largest |w - w_ddp| per weight element that summation order alone can cause
-    after `steps` AdamW steps, to first order (the chapter 05 README derives it):
+def adam_step_bound(world: int, dtype: torch.dtype, lr: float, step: int, max_grad: float,
+                    betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8) -> float:
+    """The largest |w - w_ddp| per weight element that summation order alone can cause in
+    AdamW step `step` (1-based) taken from the same weights and moments (the chapter 05
+    README derives it):
 
     - each rank's gradient, divided by N, is summed over N ranks in an order that differs
       between the modes; with N <= 2 the sum is the same (a + b = b + a, halving is
@@ -80,12 +81,16 @@ def adam_rounding_bound(world: int, dtype: torch.dtype, lr: float, steps: int, m
       differ by at most delta = 2 N u G, G the largest gradient element any rank made;
     - AdamW's update lr * m_hat / (sqrt(v_hat) + eps) moves by at most
       lr * (1 + A_t) * delta / eps for such a change (eps bounds the amplification near
-      zero gradients; A_t = adam_ratio_bound), and never by more than 2 lr A_t."""
+      zero gradients; A_t = adam_ratio_bound), and never by more than 2 lr A_t.
+
+    One step only: over several steps a weight moved by rounding also changes the next
+    gradients, which no such bound follows (a trajectory can amplify it step after step),
+    so a proof compares every step from the same state."""
     if world <= 2:
         return 0.0
     delta = 2 * world * (torch.finfo(dtype).eps / 2) * max_grad
-    return sum(lr * min((1 + adam_ratio_bound(betas, t)) * delta / eps, 2 * adam_ratio_bound(betas, t))
-               for t in range(1, steps + 1))
+    ratio = adam_ratio_bound(betas, step)
+    return lr * min((1 + ratio) * delta / eps, 2 * ratio)
 
 
 @contextmanager

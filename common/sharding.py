@@ -222,7 +222,8 @@ def report(summary: dict, results: dict, failures: list, run_dir: Path, name: st
         worst = max(r["max_abs_diff_vs_ddp"] for r in results.values())
         how = "bit for bit" if worst == 0.0 else \
             f"to rounding (largest difference {worst:.2g} <= bound {summary['proof_bound']:.2g})"
-        print(f"OK: every mode's weights equal DDP's after {a['proof_steps']} fp64 steps, {how}", flush=True)
+        print(f"OK: every mode's weights equal DDP's after each of {a['proof_steps']} fp64 steps "
+              f"taken from DDP's state, {how}", flush=True)
 
 
 def _mib(n) -> str:
