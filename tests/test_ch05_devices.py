@@ -72,18 +72,20 @@ def tensors_made_without_a_device_land_on_meta():
 
 # ------------------------------------------------ 1. collectives on the demo's device
 
-def test_sharded_measuring_and_proving_use_the_demos_device(group):
+def test_sharded_measuring_and_proving_use_the_demos_device(group, monkeypatch):
     demo, sent = group
-    args = argparse.Namespace(seed=0, lr=1e-3)
+    args = argparse.Namespace(seed=0, lr=1e-3, modes=["ddp", "zero1", "zero3", "fsdp2"])
     config = sharded.get_config("tiny", 300)
-    trainers = {m: sharded.TRAINERS[m](m, args, config, demo, torch.float64) for m in ("ddp", "zero1", "zero3")}
+    trainers = {m: sharded.TRAINERS[m](m, args, config, demo, torch.float64) for m in args.modes}
     x = torch.randint(0, 300, (2, 16))
-    for _ in range(2):
-        for t in trainers.values():
-            t.step(x, x)
+    for t in trainers.values():
+        t.step(x, x)
+    # prove() builds its trainers, then steps them, compares them and hands DDP's state on:
+    # give it those built above, and check its steps, comparisons and hand-overs
+    monkeypatch.setattr(sharded, "TRAINERS", {m: lambda mode, *_: trainers[mode] for m in args.modes})
     sent.clear()
     with tensors_made_without_a_device_land_on_meta():
-        diffs, failures, bound = sharded.prove(trainers, args)
+        diffs, failures, bound = sharded.prove(args, config, demo, [(x, x)])
         results = {m: sharding.measure(t, 0, 32) for m, t in trainers.items()}
         for t in trainers.values():
             assert sharding.peak_step_bytes(t, (x, x)) > 0
