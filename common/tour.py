@@ -337,15 +337,15 @@ def scratch_table(obj) -> str | None:
     rows = []
     for mode, r in modes.items():
         sync = r.get("sync_time_s_median")
-        rel = r.get("max_rel_diff_vs_ddp")
+        diff = r.get("max_abs_diff_vs_ddp")
         vs = r.get("tokens_per_s_vs_ddp")
         rows.append((mode, f"{r['tokens_per_s']:,.0f}", f"{100 * vs:.1f}%" if vs else "n/a",
                      f"{r['step_time_s_median'] * 1e3:,.1f}",
                      f"{sync * 1e3:,.1f}" if sync is not None else "inside backward",
                      str(r.get("allreduce_calls_per_step") or "DDP's buckets"),
-                     f"{rel:.2e}" if rel is not None else "n/a"))
+                     f"{diff:.2e}" if diff is not None else "n/a"))
     header = ("mode", "tokens/s", "vs DDP", "step ms", "exposed all-reduce ms",
-              "all_reduce calls/step", "max rel diff vs DDP")
+              "all_reduce calls/step", "max abs diff vs DDP")
     verdict = ("every mode matches DDP" if obj.get("passed")
                else "MISMATCH: " + "; ".join(obj.get("failures") or []))
     head = (f"{obj.get('world_size')} ranks, {obj.get('backend')}, {obj.get('device_name')}, "

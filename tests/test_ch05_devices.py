@@ -102,18 +102,19 @@ def test_ddp_from_scratch_measuring_and_proving_use_the_demos_device(group, monk
     config = scratch.get_config("tiny", 300)
     x = torch.randint(0, 300, (2, 16))
     batches = [(x, x)] * 2
-    trained = {dtype: scratch.run_modes(args, config, batches, demo, "", dtype)
-               for dtype in (torch.float64, torch.float32)}
-    assert any(name == "all_reduce" for name, _ in sent)  # the training steps, on the demo's device too
-    # prove() and time_modes() train through run_modes, then measure: measure the runs above
-    monkeypatch.setattr(scratch, "run_modes", lambda args, config, batches, group, what, dtype=torch.float32,
-                        autocast=None: trained[dtype])
+    built = scratch.make_replicas(args, config, demo, torch.float64)
+    timed = scratch.run_modes(args, config, batches, demo, "", torch.float32)
+    # prove() builds its replicas, then steps, compares and hands DDP's state on; time_modes()
+    # trains through run_modes, then measures: give them those made above
+    monkeypatch.setattr(scratch, "make_replicas", lambda *a, **k: built)
+    monkeypatch.setattr(scratch, "run_modes", lambda *a, **k: timed)
     sent.clear()
     with tensors_made_without_a_device_land_on_meta():
-        result = scratch.prove(args, config, batches, demo)
-        timed = scratch.time_modes(args, config, batches, demo)
-    assert all(p["max_rel_diff_vs_ddp"] == 0.0 for p in result.values())
-    assert all(r["step_time_s_median"] > 0 for r in timed.values())
+        result, failures, bound = scratch.prove(args, config, batches, demo)
+        measured = scratch.time_modes(args, config, batches, demo)
+    assert failures == [] and bound == 0.0
+    assert all(p["max_abs_diff_vs_ddp"] == 0.0 for p in result.values())
+    assert all(r["step_time_s_median"] > 0 for r in measured.values())
     assert {"all_reduce", "broadcast"} <= {name for name, _ in sent}
 
 
@@ -210,31 +211,57 @@ def test_exact_kernels_is_on_only_while_the_proof_runs():
     assert tf32_enabled() == tf32 and torch.are_deterministic_algorithms_enabled() == det
 
 
-def test_sharded_proves_in_fp64_and_times_in_the_training_dtype(group, monkeypatch, tmp_path):
-    demo, _ = group
-    for k, v in {"RANK": "0", "WORLD_SIZE": "2"}.items():  # as torchrun sets them: the flags' checks pass
+FLAGS = ["--model-preset", "tiny", "--seq-length", "32", "--batch-size", "2", "--proof-steps", "2",
+         "--steps", "3", "--timing-warmup", "1"]
+
+
+@pytest.fixture
+def torchrun_env(monkeypatch):
+    """RANK and WORLD_SIZE as torchrun sets them: the flags' checks pass."""
+    for k, v in {"RANK": "0", "WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(k, v)
-    args = sharded.parse_args(["--model-preset", "tiny", "--seq-length", "32", "--batch-size", "2",
-                               "--proof-steps", "2", "--steps", "3", "--timing-warmup", "1",
-                               "--modes", "ddp,zero1", "--save-dir", str(tmp_path), "--experiment-name", "x"])
-    seen, step = [], sharded.Trainer.step
+
+
+def steps_seen(monkeypatch, cls, run):
+    """Every training step `run()` takes through `cls.step`: (mode, weight dtype,
+    deterministic kernels on, TF32 on), with TF32 on at the start as a GPU run starts
+    (set through torch's API and put back by hand: pytest's monkeypatch cannot restore a
+    flag that cuBLASModule keeps outside its __dict__)."""
+    seen, step = [], cls.step
 
     def recording_step(self, x, y):
         seen.append((self.mode, next(self.model.parameters()).dtype,
                      torch.are_deterministic_algorithms_enabled(), tf32_enabled()))
         return step(self, x, y)
-    monkeypatch.setattr(sharded.Trainer, "step", recording_step)
-    # TF32 on, as a GPU run starts: set through torch's API and put back by hand (pytest's
-    # monkeypatch cannot restore a flag that cuBLASModule keeps outside its __dict__)
+    monkeypatch.setattr(cls, "step", recording_step)
     was = tf32_enabled()
     set_tf32(True)
     try:
-        assert sharded.run(args, demo) == 0
+        assert run() == 0
     finally:
         set_tf32(was)
     proof_steps = [(m, d) for m, d, det, tf32 in seen if det and not tf32]
     timed = [(m, d) for m, d, det, tf32 in seen if not det and tf32]
-    assert proof_steps == [("ddp", torch.float64), ("zero1", torch.float64)] * 2, seen
+    assert len(proof_steps) + len(timed) == len(seen), seen  # nothing in between
+    return proof_steps, timed
+
+
+def test_sharded_proves_in_fp64_and_times_in_the_training_dtype(group, torchrun_env, monkeypatch, tmp_path):
+    demo, _ = group
+    args = sharded.parse_args([*FLAGS, "--modes", "ddp,zero1", "--save-dir", str(tmp_path), "--experiment-name", "x"])
+    proof_steps, timed = steps_seen(monkeypatch, sharded.Trainer, lambda: sharded.run(args, demo))
+    assert proof_steps == [("ddp", torch.float64), ("zero1", torch.float64)] * 2
     # 3 timed steps each, then one more under the memory tracker
-    assert timed == [("ddp", torch.float32), ("zero1", torch.float32)] * 3 + [("ddp", torch.float32),
-                                                                               ("zero1", torch.float32)], seen
+    assert timed == [("ddp", torch.float32), ("zero1", torch.float32)] * 4
+
+
+def test_ddp_from_scratch_proves_in_fp64_and_times_in_the_training_dtype(group, torchrun_env, monkeypatch,
+                                                                        tmp_path):
+    demo, _ = group
+    monkeypatch.setattr(sys, "argv", ["ddp_from_scratch.py", *FLAGS, "--modes", "bucketed,ddp",
+                                      "--save-dir", str(tmp_path), "--experiment-name", "x"])
+    monkeypatch.setattr(scratch, "start_demo", lambda timeout: demo)
+    monkeypatch.setattr(scratch, "gc_and_destroy_process_group", lambda: None)  # the fixture's group
+    proof_steps, timed = steps_seen(monkeypatch, scratch.Replica, scratch.main)
+    assert proof_steps == [("bucketed", torch.float64), ("ddp", torch.float64)] * 2
+    assert timed == [("bucketed", torch.float32), ("ddp", torch.float32)] * 3
