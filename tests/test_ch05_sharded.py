@@ -256,6 +256,9 @@ def test_every_mode_equals_ddp_within_the_rounding_bound(tmp_path, nproc, flags)
     over the README's 8 proof steps, each from DDP's state. (Compared only after the 8th,
     on Python 3.10's corpus, fsdp2 had drifted 0.09 from DDP at lr 0.1: the rounding of
     one step changes the next step's gradients, which no one-step bound follows.)"""
+    if flags is README_3_RANKS:  # still the README's command, which test_readmes.py counts on this test to run
+        assert f"--nproc-per-node=3 05-collectives/sharded_from_scratch.py {' '.join(flags)}\n" in \
+            (REPO / "05-collectives" / "README.md").read_text()
     proc, result = run_script(tmp_path, nproc, *flags)
     assert "OK: every mode's weights equal DDP's" in proc.stdout
     bound = result["proof_bound"]

@@ -169,6 +169,9 @@ LAUNCHED_BY = {
     "torchrun --standalone --nproc-per-node=2 05-collectives/ddp_from_scratch.py --modes "
     "bucketed,overlap,ddp --steps 12 --bucket-mb 4":
         "test_ch05_collectives.py::test_ddp_from_scratch_equals_ddp_bit_for_bit_on_2_ranks",
+    "torchrun --standalone --nproc-per-node=3 05-collectives/ddp_from_scratch.py --model-preset tiny "
+    "--seq-length 32 --batch-size 2 --steps 1 --timing-warmup 0 --proof-steps 16 --lr 0.1 --modes "
+    "naive,bucketed,overlap,ddp": "test_ch05_collectives.py::README_3_RANKS = ",
     "torchrun --standalone --nproc-per-node=2 05-collectives/sharded_from_scratch.py --steps 12":
         "test_ch05_sharded.py::test_every_mode_equals_ddp_bit_for_bit_on_2_ranks",
     "torchrun --standalone --nproc-per-node=4 05-collectives/sharded_from_scratch.py --steps 12":
