@@ -85,6 +85,20 @@ def share_the_cores_among_workers():
         torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def one_rank_group():
+    """A gloo process group of one rank inside the test (one CPU thread): the scripts'
+    functions without the cost of starting torchrun and its workers. Yields the Demo
+    that `common.distributed.start_demo` would return."""
+    import torch
+    import torch.distributed as dist
+    from common.distributed import Demo
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    torch.set_num_threads(1)
+    yield Demo(0, 1, torch.device("cpu"), "gloo")
+    dist.destroy_process_group()
+
+
 __all__ = ["free_port"]  # the tests import it from here
 _zygote = None
 

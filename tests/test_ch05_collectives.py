@@ -13,11 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from conftest import REPO, load_script, python_cmd, read_json, run, torchrun_cmd
 from common import sharding, timeline, tour
-from common.distributed import Demo
 
 CH = "05-collectives"
 DEMO, BENCH, SCRATCH = f"{CH}/collectives_demo.py", f"{CH}/bench_collectives.py", f"{CH}/ddp_from_scratch.py"
@@ -326,35 +324,29 @@ def test_the_proof_bound_catches_a_real_bug():
     assert max_abs_difference(bug, good) > 1e3 * bound > 0
 
 
-def test_the_proof_checks_every_step_from_ddps_state(monkeypatch):
+def test_the_proof_checks_every_step_from_ddps_state(one_rank_group, monkeypatch):
     """On one rank every mode equals DDP to the bit. A parameter set off by 1e-9 and
     AdamW's moments scaled in every other mode after step 2: step 2 fails for each mode,
     naming it, and step 3 passes, since every mode took DDP's parameters and moments."""
     import argparse
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        group = Demo(0, 1, torch.device("cpu"), "gloo")
-        args = argparse.Namespace(seed=0, lr=1e-3, bucket_mb=0.5, modes=list(scratch.MODES), proof_steps=3)
-        config = scratch.get_config("tiny", 300)
-        batches = [(x, x) for x in torch.randint(0, 300, (3, 2, 16), generator=torch.Generator().manual_seed(0))]
-        proof, failures, bound = scratch.prove(args, config, batches, group)
-        assert failures == [] and bound == 0.0 and all(p["max_abs_diff_vs_ddp"] == 0.0 for p in proof.values())
+    args = argparse.Namespace(seed=0, lr=1e-3, bucket_mb=0.5, modes=list(scratch.MODES), proof_steps=3)
+    config = scratch.get_config("tiny", 300)
+    batches = [(x, x) for x in torch.randint(0, 300, (3, 2, 16), generator=torch.Generator().manual_seed(0))]
+    proof, failures, bound = scratch.prove(args, config, batches, one_rank_group)
+    assert failures == [] and bound == 0.0 and all(p["max_abs_diff_vs_ddp"] == 0.0 for p in proof.values())
 
-        step = scratch.Replica.step
+    step = scratch.Replica.step
 
-        def step_then_spoil(self, x, y):
-            step(self, x, y)
-            if self.mode != "ddp" and len(self.losses) == 2:
-                with torch.no_grad():
-                    next(self.model.parameters()).view(-1)[0] += 1e-9
-                    for state in self.optimizer.state.values():
-                        state["exp_avg"].mul_(2)
-                        state["exp_avg_sq"].mul_(3)
-        monkeypatch.setattr(scratch.Replica, "step", step_then_spoil)
-        proof, failures, _ = scratch.prove(args, config, batches, group)
-    finally:
-        dist.destroy_process_group()
+    def step_then_spoil(self, x, y):
+        step(self, x, y)
+        if self.mode != "ddp" and len(self.losses) == 2:
+            with torch.no_grad():
+                next(self.model.parameters()).view(-1)[0] += 1e-9
+                for state in self.optimizer.state.values():
+                    state["exp_avg"].mul_(2)
+                    state["exp_avg_sq"].mul_(3)
+    monkeypatch.setattr(scratch.Replica, "step", step_then_spoil)
+    proof, failures, _ = scratch.prove(args, config, batches, one_rank_group)
     assert [f.split(" a parameter")[0] for f in failures] == \
         [f"{m}: after step 2" for m in ("naive", "bucketed", "overlap")], failures
     assert all("differs from DDP's by 1e-09 > 0" in f for f in failures), failures

@@ -21,7 +21,6 @@ from conftest import free_port, load_script, run, torchrun_cmd
 
 SCRIPT = "05-collectives/sharded_checkpoint.py"
 ckpt = load_script(SCRIPT)
-from common.distributed import Demo  # noqa: E402
 from common.durable import sha256_of  # noqa: E402
 from common.model import get_config  # noqa: E402
 TINY = ["--model-preset", "tiny", "--seq-length", "32", "--batch-size", "2", "--steps", "2"]
@@ -76,47 +75,37 @@ def test_loaded_on_three_ranks_every_tensor_equals_the_saved_state(saved, tmp_pa
         ["__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]
 
 
-@pytest.fixture
-def one_rank():
-    """A process group of one rank inside the test: the script's functions, without the
-    cost of starting torchrun and its workers."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    torch.set_num_threads(1)
-    yield Demo(0, 1, torch.device("cpu"), "gloo")
-    dist.destroy_process_group()
-
-
 def fresh_model(step_dir: Path):
     vocab = json.loads((step_dir / "manifest.json").read_text())["settings"]["vocab_size"]
     return ckpt.sharded_model(get_config("tiny", vocab), seed=1, lr=1e-3, device=torch.device("cpu"))
 
 
-def test_loaded_on_one_rank_the_proof_passes_and_sees_one_changed_moment(saved, one_rank, tmp_path):
+def test_loaded_on_one_rank_the_proof_passes_and_sees_one_changed_moment(saved, one_rank_group, tmp_path):
     """On 1 rank every tensor equals the saved state; against a reference with one AdamW
     moment changed by 1e-7, exactly that tensor differs."""
     step_dir = saved[0] / STEP
     model, optimizer = fresh_model(step_dir)  # another seed: only loading makes it equal
     reference = ckpt.reference_path(step_dir)
-    assert ckpt.prove_equal(model, optimizer, reference, one_rank)[2] != []
-    ckpt.load_sharded(model, optimizer, step_dir, one_rank)
-    worst, compared, mismatches = ckpt.prove_equal(model, optimizer, reference, one_rank)
+    assert ckpt.prove_equal(model, optimizer, reference, one_rank_group)[2] != []
+    ckpt.load_sharded(model, optimizer, step_dir, one_rank_group)
+    worst, compared, mismatches = ckpt.prove_equal(model, optimizer, reference, one_rank_group)
     assert (worst, mismatches) == (0.0, []) and compared == 3 * 21 + 21  # params, 2 moments, steps
     state = torch.load(reference, weights_only=True)
     key = "layers.1.self_attn.o_proj.weight"
     state["optim"]["state"][key]["exp_avg"][3, 5] += 1e-7
     torch.save(state, tmp_path / "changed.pt")
-    worst, _, mismatches = ckpt.prove_equal(model, optimizer, tmp_path / "changed.pt", one_rank)
+    worst, _, mismatches = ckpt.prove_equal(model, optimizer, tmp_path / "changed.pt", one_rank_group)
     assert 5e-8 < worst < 2e-7 and mismatches == [f"optim.state.{key}.exp_avg: max difference {worst:.3g}"]
 
 
-def test_a_shard_dcp_cannot_read_is_one_line_not_a_traceback(saved, one_rank, tmp_path, capsys):
+def test_a_shard_dcp_cannot_read_is_one_line_not_a_traceback(saved, one_rank_group, tmp_path, capsys):
     """The manifest passed (as if the file went missing after the check): DCP raises
     CheckpointException, a BaseException, and the run still stops with one line."""
     step_dir = copy_run(saved[0], tmp_path) / STEP
     (step_dir / "__0_0.distcp").unlink()
     model, optimizer = fresh_model(step_dir)
     with pytest.raises(SystemExit) as stop:
-        ckpt.load_sharded(model, optimizer, step_dir, one_rank)
+        ckpt.load_sharded(model, optimizer, step_dir, one_rank_group)
     err = capsys.readouterr().err
     assert stop.value.code == 2 and len(err.splitlines()) == 1, err
     assert err.startswith(f"error: checkpoint {step_dir} cannot be loaded: rank 0: FileNotFoundError") \
@@ -143,18 +132,18 @@ def small_disk(tmp_path):
 
 
 @pytest.mark.parametrize("room", [0.5, 1.5], ids=["reference-write", "dcp-write"])
-def test_a_full_disk_during_the_save_is_one_line_and_leaves_nothing(saved, one_rank, small_disk, capsys, room):
+def test_a_full_disk_during_the_save_is_one_line_and_leaves_nothing(saved, one_rank_group, small_disk, capsys, room):
     """A disk with room for half the state (the proof's reference fails) or one and a half
     (the reference fits, DCP's shard does not): exit status 1, one line naming the cause,
     and the run folder as it was (no .tmp- folder, no reference without its checkpoint)."""
     step_dir = saved[0] / STEP
     model, optimizer = fresh_model(step_dir)
-    ckpt.load_sharded(model, optimizer, step_dir, one_rank)  # AdamW's moments too
+    ckpt.load_sharded(model, optimizer, step_dir, one_rank_group)  # AdamW's moments too
     whole = ckpt.reference_path(step_dir).stat().st_size
     run_dir = small_disk(int(room * whole)) / "run"
     run_dir.mkdir()
     with pytest.raises(SystemExit) as stop:
-        ckpt.save_sharded(model, optimizer, run_dir / "step-00000004", {}, 4, one_rank)
+        ckpt.save_sharded(model, optimizer, run_dir / "step-00000004", {}, 4, one_rank_group)
     err = capsys.readouterr().err
     assert stop.value.code == 1 and len(err.splitlines()) == 1, err
     assert err.startswith(f"error: disk full while saving into {run_dir} ("), err

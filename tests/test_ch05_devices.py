@@ -21,7 +21,6 @@ from conftest import load_script
 
 from common import proof, sharding  # noqa: E402
 from common.environment import set_tf32, tf32_enabled  # noqa: E402
-from common.distributed import Demo  # noqa: E402
 
 demo_script = load_script("05-collectives/collectives_demo.py")
 bench = load_script("05-collectives/bench_collectives.py")
@@ -42,13 +41,11 @@ def tensors_in(values):
 
 
 @pytest.fixture
-def group(monkeypatch):
+def group(one_rank_group, monkeypatch):
     """A one-rank gloo group, and every torch.distributed collective (as the scripts and
     helpers call them) wrapped: it records each tensor's device and fails at once when
     the device is not the demo's. Yields (demo, sent)."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    demo, sent = Demo(0, 1, torch.device("cpu"), "gloo"), []
+    demo, sent = one_rank_group, []
 
     def recorded(name, fn):
         def call(*args, **kwargs):
@@ -63,7 +60,6 @@ def group(monkeypatch):
     for name in ("all_gather_single", "reduce_scatter_single"):  # bound when common.sharding loaded
         monkeypatch.setattr(sharding, name, recorded(name, getattr(sharding, name)))
     yield demo, sent
-    dist.destroy_process_group()
 
 
 def tensors_made_without_a_device_land_on_meta():

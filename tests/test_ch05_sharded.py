@@ -13,14 +13,12 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from conftest import REPO, load_script, python_cmd, read_json, run, torchrun_cmd
 
 SCRIPT = "05-collectives/sharded_from_scratch.py"
 sharded = load_script(SCRIPT)
 from common import plan, proof, sharding, tour  # noqa: E402
-from common.distributed import Demo  # noqa: E402
 from common.model import LlamaConfig  # noqa: E402
 
 TINY = ["--model-preset", "tiny", "--seq-length", "32", "--batch-size", "2"]
@@ -69,20 +67,11 @@ def test_ring_bytes_and_textbook_volumes():
     assert sharding.textbook_sent_bytes("zero3", 1000, 4) == 2250.0
 
 
-@pytest.fixture
-def one_rank_group():
-    store = dist.HashStore()
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield Demo(0, 1, torch.device("cpu"), "gloo")
-    dist.destroy_process_group()
-
-
 def test_the_proof_checks_every_step_from_ddps_state(one_rank_group, monkeypatch):
     """On one rank every mode equals DDP to the bit. A weight set off by 1e-9 and both of
     AdamW's moments scaled in every other mode after step 2: step 2 fails for each mode,
     naming it, and step 3 passes, since every mode took DDP's weights and moments before
     it."""
-    torch.set_num_threads(1)
     args = argparse.Namespace(seed=0, lr=1e-3, modes=list(sharded.MODES))
     config = sharded.get_config("tiny", 300)
     batches = [(x, x) for x in torch.randint(0, 300, (3, 2, 16), generator=torch.Generator().manual_seed(0))]
@@ -111,7 +100,6 @@ def test_memtracker_measures_zero3_without_a_warning(one_rank_group):
     """ZeRO-3 sets .grad to None in its hook before MemTracker's runs: MemTracker's
     UserWarning about it (once per rank) is silenced, and the peak is still measured."""
     import warnings
-    torch.set_num_threads(1)
     args = argparse.Namespace(seed=0, lr=1e-3)
     trainer = sharded.TRAINERS["zero3"]("zero3", args, sharded.get_config("tiny", 300), one_rank_group,
                                         torch.float32)
