@@ -62,6 +62,7 @@ def parse_args(argv=None):
                    help="auto = bf16 autocast on CUDA, fp32 on CPU; bf16 = bf16 autocast")
     p.add_argument("--save-dir", default=str(DEFAULT_SAVE_DIR), help="parent of the run folder")
     p.add_argument("--experiment-name", default=None, help=f"run folder name (default: {NAME}-<timestamp>)")
+    p.set_defaults(deterministic=False)  # chapter 01's setup() reads it: no flag for a memory count
 
     def check(args):
         max_pos = PRESETS[args.model_preset]["max_position_embeddings"]

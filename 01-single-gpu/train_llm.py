@@ -10,6 +10,7 @@ metrics, validation, a text sample, and the saved weights.
 
 import itertools
 import json
+import os
 import random
 import sys
 from contextlib import nullcontext
@@ -60,6 +61,9 @@ def setup(args):
     threads = share_cpu_threads(device)  # like for like: the same CPU threads per machine (a collective)
     random.seed(args.seed)
     torch.manual_seed(args.seed)  # seeds every device; the model init depends on it
+    if args.deterministic:  # the same bits in every rerun, on GPUs too (chapter 01's README, part 3)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's condition for it
+        torch.use_deterministic_algorithms(True)  # kernels without atomics; an op with none stops the run
     return device, dtype, autocast, threads
 
 

@@ -73,6 +73,9 @@ def setup(args):
     threads = share_cpu_threads(device)  # like for like: the same CPU threads per machine (a collective)
     random.seed(args.seed)
     torch.manual_seed(args.seed)  # same seed on every rank: same initial weights
+    if args.deterministic:  # the same bits in every rerun, on GPUs too (chapter 01's README, part 3)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's condition for it
+        torch.use_deterministic_algorithms(True)  # kernels without atomics; an op with none stops the run
     return device, dtype, autocast, threads
 
 

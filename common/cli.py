@@ -30,6 +30,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SAVE_DIR = REPO_ROOT / "outputs" if (REPO_ROOT / "pyproject.toml").exists() \
     else Path.cwd() / "outputs"
 DTYPES = ("auto", "fp32", "bf16")  # fp16 would also need a GradScaler: not this lesson
+# The CUBLAS_WORKSPACE_CONFIG values with which cuBLAS sums in a fixed order (NVIDIA's cuBLAS
+# docs, "Results reproducibility"); torch's deterministic mode refuses cuBLAS without one.
+CUBLAS_DETERMINISTIC = (":4096:8", ":16:8")
 
 
 # ---- validators for `type=`: argparse reports their message as "argument --x: ..." ----
@@ -177,6 +180,9 @@ def base_parser(chapter: str, description: str, *, distributed: bool = False,
     g.add_argument("--activation-checkpointing", action="store_true",
                    help="keep only each layer's input for backward and recompute the rest "
                         "there: much less activation memory for about one more forward")
+    g.add_argument("--deterministic", action="store_true",
+                   help="deterministic kernels only (torch.use_deterministic_algorithms): the same "
+                        "bits in every rerun and resume on GPUs too, at the slower kernels' cost")
     if distributed:
         g.add_argument("--timeout", type=seconds, default=600,
                        help="seconds a collective may wait for the other ranks before failing")
@@ -207,6 +213,10 @@ def check_args(args, *, run_dir_must_be_new: bool = True) -> None:
     except DataError as e:
         raise UsageError(str(e)) from None
     check_device(args.device)
+    workspace = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    if args.deterministic and workspace not in (None, *CUBLAS_DETERMINISTIC):
+        raise UsageError(f"--deterministic: CUBLAS_WORKSPACE_CONFIG={workspace!r} lets cuBLAS vary its "
+                         f"sums; unset it or use {' or '.join(CUBLAS_DETERMINISTIC)}")
     threads_override()  # LLM_GUIDE_THREADS, if set, is a thread count
     if args.cache_dir and os.path.exists(args.cache_dir) and not os.path.isdir(args.cache_dir):
         raise UsageError(f"--cache-dir {args.cache_dir!r} exists and is not a folder")

@@ -73,9 +73,10 @@ def environment_info() -> dict:
         "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
         "cuda_version": torch.version.cuda,
         "nccl_available": torch.distributed.is_available() and torch.distributed.is_nccl_available(),
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
     }
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                "CUDA_VISIBLE_DEVICES", "TORCHELASTIC_RESTART_COUNT"):
+                "CUDA_VISIBLE_DEVICES", "TORCHELASTIC_RESTART_COUNT", "CUBLAS_WORKSPACE_CONFIG"):
         if var in os.environ:
             info[var] = os.environ[var]
     return info

@@ -127,6 +127,8 @@ def throughput_rows(s: dict) -> list[tuple[str, str]]:
                      f"(the first step; not in tokens/s)"))
     if s.get("activation_checkpointing"):
         rows.append(("activation checkpointing", "yes: each layer's forward runs again in backward"))
+    if s.get("deterministic"):
+        rows.append(("deterministic kernels", "yes: the same bits in every rerun"))
     if s.get("scaling_efficiency") is not None and s["world_size"] > 1:  # one process scales nothing
         rows.append(("scaling efficiency", f"{100 * s['scaling_efficiency']:.1f}% vs {s.get('baseline', 'baseline')}"))
     ck = s.get("checkpoint")
@@ -166,7 +168,8 @@ def find_baseline(path: str | os.PathLike, summary: dict) -> dict | None:
     """A chapter 01 summary to compare a multi-process run against: the file itself if
     `path` is one, else the newest chapter 01 run under `path` with the same preset,
     sequence length, per-process batch, gradient accumulation, data form (packed or
-    padded), device type, dtype and activation checkpointing (on or off)."""
+    padded), device type, dtype, and the same of --compile, --activation-checkpointing and
+    --deterministic (on or off)."""
     path = Path(path)
     if path.is_file():
         try:
@@ -182,7 +185,8 @@ def find_baseline(path: str | os.PathLike, summary: dict) -> dict | None:
         same = (all(s.get(k) == summary.get(k) for k in ("preset", "seq_length", "batch_size", "device",
                                                           "dtype", "grad_accum"))
                 and (s.get("data") or {}).get("form") == (summary.get("data") or {}).get("form")
-                and bool(s.get("activation_checkpointing")) == bool(summary.get("activation_checkpointing")))
+                and all(bool(s.get(k)) == bool(summary.get(k))
+                        for k in ("compiled", "activation_checkpointing", "deterministic")))
         if s.get("chapter") == "01-single-gpu" and same and f.stat().st_mtime > best_mtime:
             best, best_mtime = s, f.stat().st_mtime
     return best

@@ -192,7 +192,8 @@ class Tracker:
         summary.update(threads_per_process=self.threads[0], processes_per_machine=self.threads[1],
                        cpu_cores=os.cpu_count(), load_avg_max=self.load_max,
                        first_step_s=self.first_step_s, compiled=bool(getattr(args, "compile", False)),
-                       activation_checkpointing=bool(getattr(args, "activation_checkpointing", False)))
+                       activation_checkpointing=bool(getattr(args, "activation_checkpointing", False)),
+                       deterministic=torch.are_deterministic_algorithms_enabled())
         if summary["compiled"] and self.first_step_s is not None:  # not in tokens/s (warm-up)
             summary["compile_s"] = max(0.0, self.first_step_s - summary.get("step_wall_s", 0.0))
         if self.saves:

@@ -187,14 +187,17 @@ def test_sigterm_to_the_workers_under_restarts_says_what_happens_next(tmp_path, 
     assert_same_as_uninterrupted(tmp_path / NAME, uninterrupted[1])
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_a_signal_saves_a_checkpoint_and_the_rerun_continues_exactly(tmp_path, uninterrupted, sig):
+@pytest.mark.parametrize("sig, extra", [(signal.SIGTERM, []), (signal.SIGINT, ["--deterministic"])],
+                         ids=["SIGTERM", "SIGINT-deterministic"])
+def test_a_signal_saves_a_checkpoint_and_the_rerun_continues_exactly(tmp_path, uninterrupted, sig, extra):
     """What a scheduler (SIGTERM) or Ctrl-C (SIGINT) does, with the default DataLoader
     worker: torchrun passes the signal on to each worker's process group; the current
     step ends, a checkpoint is written, one line says so, the job exits non-zero within
     seconds. SIGTERM under torchrun itself (its agent passes the signal on), SIGINT
-    through the warm launcher, which passes it on as torchrun does."""
-    cmd = [str(c) for c in torchrun_cmd(2, SCRIPT, *flags(tmp_path, "--ckpt-freq", 100))]
+    through the warm launcher, which passes it on as torchrun does. The SIGINT job runs
+    with --deterministic, as the GPU test of exact resume does: on a CPU, whose kernels
+    are deterministic anyway, it changes no number, and the resumed run says it ran so."""
+    cmd = [str(c) for c in torchrun_cmd(2, SCRIPT, *flags(tmp_path, "--ckpt-freq", 100, *extra))]
     metrics = tmp_path / NAME / "metrics.jsonl"
     job = start_job(cmd, tmp_path / "job.log", warm=sig == signal.SIGINT,
                     until=lambda: metrics.exists() and metrics.read_text().count("\n") >= 5)
@@ -220,6 +223,10 @@ def test_a_signal_saves_a_checkpoint_and_the_rerun_continues_exactly(tmp_path, u
     proc = run(cmd, timeout=120)
     assert f"step {step}" in proc.stdout
     assert_same_as_uninterrupted(tmp_path / NAME, uninterrupted[1])
+    deterministic = bool(extra)
+    assert read_json(tmp_path / NAME / "summary.json")["deterministic"] == deterministic
+    assert ("| deterministic kernels " in proc.stdout) == deterministic
+    assert f'"deterministic_algorithms": {str(deterministic).lower()}' in proc.stdout
 
 
 def test_workers_stop_when_their_launcher_is_killed(tmp_path):

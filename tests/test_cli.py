@@ -83,6 +83,25 @@ def test_a_quoted_tilde_in_save_dir_is_the_home_folder(tmp_path, monkeypatch):
     assert args.save_dir == str(tmp_path / "runs") and not (tmp_path / "~").exists()
 
 
+@pytest.mark.parametrize("workspace", [None, ":4096:8", ":16:8", ":0:0", ""])
+def test_deterministic_refuses_a_cublas_workspace_that_varies_its_sums(tmp_path, capsys, monkeypatch,
+                                                                       workspace):
+    """--deterministic sets CUBLAS_WORKSPACE_CONFIG where it is unset; one that cuBLAS
+    cannot sum in a fixed order with would stop the run at its first GPU matmul, so it
+    stops here instead. Without the flag any value passes."""
+    if workspace is None:
+        monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    else:
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", workspace)
+    assert not parse(tmp_path).deterministic
+    if workspace in (None, ":4096:8", ":16:8"):
+        assert parse(tmp_path, "--deterministic").deterministic
+    else:
+        assert refusal(capsys, tmp_path, "--deterministic") == (
+            f"error: --deterministic: CUBLAS_WORKSPACE_CONFIG={workspace!r} lets cuBLAS vary its sums; "
+            f"unset it or use :4096:8 or :16:8")
+
+
 def test_bf16_autocast_is_allowed_on_cpu(tmp_path):
     assert parse(tmp_path, "--device", "cpu", "--dtype", "bf16").dtype == "bf16"
 

@@ -6,6 +6,7 @@ targets from the results. (The GPU steps themselves run only on a GPU machine.)"
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -66,6 +67,16 @@ def test_targets_are_read_from_the_results():
     assert got == {"chapter 01, base, seq 1024, compiled": (0.43, True),
                    "chapter 01, base, seq 1024, eager": (0.21, False),
                    "chapter 03 at world size 1 on nccl": (None, None)}  # not measured
+
+
+def test_each_target_is_a_figure_the_gpu_suite_records():
+    """The GPU suite names what it records (record("ch03_base_nccl_1", {...})), and a
+    target reads one of those names: a renamed figure must fail here, not on the GPU."""
+    source = (gpu_check.REPO / "tests" / "test_gpu.py").read_text()
+    keys = set(re.findall(r'"(\w+)"', source))  # every quoted name (figures, summary keys)
+    records = set(re.findall(r'record\("(\w+)"', source))
+    for _, (section, name, figure), _ in gpu_check.TARGETS:
+        assert section == "gpu_tests" and name in records and figure in keys, (name, figure)
 
 
 def test_the_environment_says_what_ran_where():

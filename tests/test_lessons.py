@@ -56,3 +56,14 @@ def test_the_readme_table_shows_the_real_figures():
         assert int(row.group(2)) == main_length(REPO / new / "train_llm.py")
     base = re.search(r"\| 01 \(the base\) \| \| (\d+) lines \|", text)
     assert base and int(base.group(1)) == main_length(REPO / "01-single-gpu" / "train_llm.py")
+
+
+def test_each_chapter_readme_states_its_real_diff_size():
+    """A chapter README that says how many lines its diff changes says the real number."""
+    stated = []
+    for readme in sorted(REPO.glob("0*/README.md")):
+        text = " ".join(readme.read_text().split())  # a sentence may wrap anywhere
+        for old, new, n in re.findall(r"`diff -u (\S+)/train_llm\.py (\S+)/train_llm\.py` is (\d+) changed", text):
+            stated.append(readme.parent.name)
+            assert int(n) == changed_lines(old, new), f"{readme.parent.name}/README.md: {old} -> {new}"
+    assert stated == ["02-data-parallel", "03-ddp"]

@@ -356,3 +356,22 @@ def test_scaling_efficiency_only_with_more_than_one_process(tmp_path, monkeypatc
     assert two["scaling_efficiency"] == pytest.approx(two["tokens_per_s_per_device"] / 1e9)
     assert "| scaling efficiency " in capsys.readouterr().out
     assert "| scaling efficiency " not in throughput_table({**two, "world_size": 1})
+
+
+def test_the_baseline_is_a_chapter_01_run_with_the_same_kernels(tmp_path):
+    """A scaling efficiency compares like with like: the chapter 01 run it divides by was
+    compiled, checkpointed its activations and ran deterministic kernels exactly when the
+    multi-process run did (each changes tokens/s), and is otherwise the same size."""
+    size = {"preset": "tiny", "seq_length": 8, "batch_size": 2, "device": "cpu", "dtype": "fp32"}
+    switches = ("compiled", "activation_checkpointing", "deterministic")
+    for name, on in [("plain", ()), *((k, (k,)) for k in switches)]:
+        (tmp_path / name).mkdir()
+        write_json(tmp_path / name / "summary.json", {"chapter": "01-single-gpu", "experiment_name": name,
+                                                      **size, **{k: k in on for k in switches}})
+    (tmp_path / "other-size").mkdir()
+    write_json(tmp_path / "other-size" / "summary.json",
+               {"chapter": "01-single-gpu", "experiment_name": "other-size", **size, "batch_size": 4})
+    for name, on in [("plain", ()), *((k, (k,)) for k in switches)]:
+        run = {"chapter": "03-ddp", **size, **{k: True for k in on}}
+        assert summary.find_baseline(tmp_path, run)["experiment_name"] == name
+    assert summary.find_baseline(tmp_path, {**size, "compiled": True, "deterministic": True}) is None

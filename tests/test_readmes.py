@@ -48,18 +48,35 @@ def test_every_chapter_has_a_readme():
         assert readme.is_file(), f"{readme} is missing"
 
 
+def heading_anchors(markdown: str) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation dropped,
+    spaces to hyphens, a repeated heading numbered (-1, -2, ...)."""
+    anchors, seen = set(), {}
+    text = re.sub(r"^```.*?^```", "", markdown, flags=re.S | re.M)  # no headings in code
+    for heading in re.findall(r"^#{1,6} (.+)$", text, flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        anchors.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+        seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
 @pytest.mark.parametrize("readme", READMES, ids=lambda p: str(p.relative_to(REPO)))
 def test_relative_links_resolve(readme):
+    """Every link to a file of the repo finds it, and a link to a section of a Markdown
+    file (`#anchor`, on the same page too) finds that heading."""
     text = readme.read_text()
     links = re.findall(r"\]\(([^)\s]+)\)", text)
     broken = []
     for target in links:
-        if re.match(r"[a-z]+:", target) or target.startswith("#"):
-            continue  # web address or anchor in the same page
-        path = (readme.parent / target.split("#", 1)[0]).resolve()
+        if re.match(r"[a-z]+:", target):
+            continue  # web address
+        file, _, anchor = target.partition("#")
+        path = (readme.parent / file).resolve() if file else readme
         if not path.exists():
             broken.append(target)
-    assert not broken, f"{readme.relative_to(REPO)} links to missing files: {broken}"
+        elif anchor and path.suffix == ".md" and anchor not in heading_anchors(path.read_text()):
+            broken.append(target)
+    assert not broken, f"{readme.relative_to(REPO)} links to missing files or sections: {broken}"
 
 
 def real_diff(chapter: str) -> list[str]:

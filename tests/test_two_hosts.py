@@ -186,13 +186,16 @@ def test_ch04_on_two_hosts_cut_cable_then_resume_exactly(hosts, uninterrupted):
         lines = [line for line in text.splitlines() if "a peer stopped answering" in line]
         assert len(lines) == 1 and lines[0].startswith("error: rank "), show(texts)
         assert "Traceback" not in text.split(lines[0])[0]  # the worker printed no traceback
-    assert (ckpt1 / f"step-{FREQ:08d}" / "state.pt").is_file()
+    # the cut came after step FREQ + 2 was logged; a busy machine may have trained (and
+    # saved) a little further before the link went down
+    latest = (ckpt1 / "latest").read_text()
+    assert latest >= f"step-{FREQ:08d}" and (ckpt1 / latest / "state.pt").is_file()
     assert not ckpt2.exists()  # rank 0 wrote the checkpoint, on host 1's disk only
 
     # (b) cable back: the rerun resumes, and finishes exactly as uninterrupted
     statuses, texts = run_both(hosts, CH04, args, tag="rerun")
     assert statuses == [0, 0], show(texts)
-    assert f"resumed from {ckpt1 / f'step-{FREQ:08d}'}" in texts[0], show(texts)
+    assert f"resumed from {ckpt1 / latest}" in texts[0], show(texts)
     assert not ckpt2.exists()
     assert_same_as_uninterrupted(hosts.save_dir(0) / NAME, uninterrupted[1])
 
