@@ -70,6 +70,16 @@ CH05_TINY = ["--model-preset", "tiny", "--seq-length", "64", "--batch-size", "4"
 
 # ---------------------------------------------------------------- bookkeeping
 
+@pytest.fixture(scope="module", autouse=True)
+def cold_launches():
+    """Every launch as a reader makes it, a fresh interpreter (python, torchrun), not the
+    CPU suite's warm one (tests/zygote.py), which forks a process that imported torch: a
+    CUDA driver that anything in that parent initialised does not survive a fork."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LLM_GUIDE_COLD_LAUNCH", "1")
+        yield
+
+
 @pytest.fixture(scope="session")
 def record():
     """record(key, value): one entry of $LLM_GUIDE_GPU_RESULTS/gpu_tests.json, written at
