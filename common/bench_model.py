@@ -28,12 +28,15 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 from .data import DEFAULT_VOCAB_SIZE
 from .environment import device_name
 from .jsonfiles import write_json
 from .model import PRESETS, LlamaForCausalLM, flops_per_token, get_config, num_parameters
 from .peak_flops import Peak, device_peak, implausible_mfu_note, sync
+from .step_profile import OPTIMIZER, profile_step
+from .step_profile import table as profile_table
 from .tables import format_flops, markdown_table
 from .timing import CudaEventClock, WallClock
 
@@ -63,9 +66,10 @@ def forward_backward(loss_fn, model, x, y, bf16: bool = False):
 def train_step(loss_fn, model, optimizer, x, y, bf16: bool = False):
     """One training step as chapter 01 takes it; returns the loss."""
     loss = forward_backward(loss_fn, model, x, y, bf16)
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    with record_function(OPTIMIZER):  # for --profile: the optimizer's share of the step
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     return loss
 
 
@@ -109,8 +113,11 @@ def first_call_seconds(step, device: torch.device) -> float:
 
 
 def bench_preset(preset: str, batch_size: int, seq_len: int, iters: int, warmup: int,
-                 device: torch.device, vocab_size: int, peak: Peak, compile: bool) -> dict:
-    """One row per (mode, step kind), and the compile time (None without compile)."""
+                 device: torch.device, vocab_size: int, peak: Peak, compile: bool,
+                 profile_steps: int = 0) -> dict:
+    """One row per (mode, step kind), and the compile time (None without compile). With
+    `profile_steps`, each mode's training-step row also says where its time went
+    (common.step_profile), from that many profiled steps after the timed ones."""
     config = get_config(preset, vocab_size)
     seq_len = min(seq_len, config.max_position_embeddings)
     torch.manual_seed(0)
@@ -149,6 +156,12 @@ def bench_preset(preset: str, batch_size: int, seq_len: int, iters: int, warmup:
     for row in rows:
         eager = next(r for r in rows if r["step"] == row["step"] and r["mode"] == "eager")
         row["speedup"] = row["tokens_per_s"] / eager["tokens_per_s"]
+        if profile_steps and row["step"] == "training step":
+            tokens = batch_size * seq_len
+            attention = tokens * 12 * config.num_hidden_layers * config.num_attention_heads \
+                * config.head_dim * seq_len  # flops_per_token's attention term
+            row["profile"] = profile_step(steps_of(modes[row["mode"]])["training step"], device, profile_steps,
+                                          row["step_s"], tokens * fpt - attention, attention)
     return {"rows": rows, "compile_s": compile_s}
 
 
@@ -180,12 +193,15 @@ def main(argv=None):
                    help="auto (cuda if available, else cpu), cpu, cuda:N")
     p.add_argument("--json", type=Path, default=None,
                    help="also write the rows, device, torch version and peak to this file")
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="then profile this many training steps per mode: where the time went "
+                        "(matmul, attention, optimizer, other, idle) and the busiest kernels")
     args = p.parse_args(argv)
     for name in ("batch_size", "seq_length", "iters", "vocab_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.warmup < 0:
-        p.error("--warmup must not be negative")
+    if args.warmup < 0 or args.profile < 0:
+        p.error(f"--{'warmup' if args.warmup < 0 else 'profile'} must not be negative")
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
@@ -208,7 +224,8 @@ def main(argv=None):
     rows, compile_s = [], {}
     for preset in args.presets:
         result = bench_preset(preset, args.batch_size, args.seq_length, args.iters,
-                              args.warmup, device, args.vocab_size, peak, not args.no_compile)
+                              args.warmup, device, args.vocab_size, peak, not args.no_compile,
+                              args.profile)
         rows += result["rows"]
         if result["compile_s"] is not None:
             compile_s[preset] = result["compile_s"]
@@ -218,6 +235,17 @@ def main(argv=None):
     note = implausible_mfu_note(max(r["mfu"] for r in rows), peak)
     if note:
         print(note)
+    profiled = [r for r in rows if "profile" in r]
+    if profiled:
+        print(f"\nwhere a training step's time went ({args.profile} profiled steps per mode; "
+              f"{'kernel time on the GPU' if device.type == 'cuda' else 'operator time on the CPU'}; "
+              f"matmul and attention FLOP/s inside their kernels, against the peak):")
+        print(profile_table(profiled, peak.flops))
+        for r in profiled:
+            print(f"\n{r['preset']}, {r['mode']}: the busiest, per step")
+            print(markdown_table(["kernel" if device.type == "cuda" else "operator", "kind", "calls", "time"],
+                                 [[b["name"][:90], b["kind"], f"{b['calls_per_step']:g}", f"{b['s'] * 1e3:,.2f} ms"]
+                                  for b in r["profile"]["busiest"]], right={2, 3}))
     if args.json is not None:
         write_json(args.json, {
             "device": device.type, "device_name": device_name(device), "dtype": dtype,

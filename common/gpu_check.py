@@ -53,7 +53,7 @@ ALREADY_THERE = ("pyarrow", "numpy", "pandas")
 # both, installs the newest that the installed pyarrow satisfies.
 FALLBACKS = ("datasets>=4,<5.1",)
 BENCH_ARGS = ["--presets", "small", "base", "medium", "--seq-length", "1024", "--batch-size", "16",
-              "--iters", "10", "--warmup", "3"]
+              "--iters", "10", "--warmup", "3", "--profile", "3"]
 # (what, where in the results, at least): the targets on one H100 in bf16.
 TARGETS = [
     ("chapter 01, base, seq 1024, compiled: MFU", ("gpu_tests", "ch01_base_compiled", "mfu"), 0.40),
