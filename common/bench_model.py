@@ -33,7 +33,7 @@ from torch.profiler import record_function
 from .data import DEFAULT_VOCAB_SIZE
 from .environment import device_name
 from .jsonfiles import write_json
-from .model import PRESETS, LlamaForCausalLM, flops_per_token, get_config, num_parameters
+from .model import PRESETS, LlamaForCausalLM, attention_flops_per_token, flops_per_token, get_config, num_parameters
 from .peak_flops import Peak, device_peak, implausible_mfu_note, sync
 from .step_profile import OPTIMIZER, profile_step
 from .step_profile import table as profile_table
@@ -158,8 +158,7 @@ def bench_preset(preset: str, batch_size: int, seq_len: int, iters: int, warmup:
         row["speedup"] = row["tokens_per_s"] / eager["tokens_per_s"]
         if profile_steps and row["step"] == "training step":
             tokens = batch_size * seq_len
-            attention = tokens * 12 * config.num_hidden_layers * config.num_attention_heads \
-                * config.head_dim * seq_len  # flops_per_token's attention term
+            attention = tokens * attention_flops_per_token(config, seq_len)
             row["profile"] = profile_step(steps_of(modes[row["mode"]])["training step"], device, profile_steps,
                                           row["step_s"], tokens * fpt - attention, attention)
     return {"rows": rows, "compile_s": compile_s}

@@ -284,8 +284,12 @@ def flops_per_token(config: LlamaConfig, num_params: int, seq_len: int) -> float
     training: 12·L·H·Q·T (L layers, H query heads, Q head dim, T sequence length). That
     is the usual convention (PaLM, nanoGPT, torchtitan): it counts the full T×T score
     matrix although a causal kernel may skip the masked half."""
-    L, H, Q = config.num_hidden_layers, config.num_attention_heads, config.head_dim
-    return 6 * (num_params - non_matmul_params(config)) + 12 * L * H * Q * seq_len
+    return 6 * (num_params - non_matmul_params(config)) + attention_flops_per_token(config, seq_len)
+
+
+def attention_flops_per_token(config: LlamaConfig, seq_len: int) -> float:
+    """`flops_per_token`'s attention term: 12·L·H·Q·T (scores and values, for training)."""
+    return 12 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * seq_len
 
 
 def describe(config: LlamaConfig) -> str:
@@ -294,4 +298,4 @@ def describe(config: LlamaConfig) -> str:
 
 __all__ = ["LlamaConfig", "PRESETS", "get_config", "LlamaForCausalLM", "RMSNorm",
            "RotaryEmbedding", "apply_rotary", "rotate_half", "num_parameters",
-           "non_matmul_params", "flops_per_token", "describe"]
+           "non_matmul_params", "flops_per_token", "attention_flops_per_token", "describe"]
