@@ -4,6 +4,8 @@
   rank's random generators, as one object; `state_dict()` and `load_state_dict()` mirror
   each other, as they do on every torch module and optimizer.
 - `ResumableSampler`: the DistributedSampler's order, started in the middle of an epoch.
+- `rebuild_ddp_buckets`: DDP's gradient buckets, before a resumed run's first step, as an
+  uninterrupted run has them by then (on 3 or more ranks, the order its sums add in).
 - `save_checkpoint`: write into a temporary folder, rename it, then repoint `latest`
   (`point_latest_to`): a kill at any moment leaves the previous checkpoint intact.
 - `load_latest`: rank 0 reads the newest checkpoint that verifies and loads it, then
@@ -165,6 +167,24 @@ class ResumableSampler(Sampler):
 
     def __len__(self):
         return len(self.sampler) - self.start
+
+
+def rebuild_ddp_buckets(model, batch_shape: tuple[int, int], device, autocast):
+    """Before a resumed run's first step: one backward of a zero loss through the DDP
+    model, so that DDP sums each gradient in the order an uninterrupted run does by then.
+
+    DDP first puts the gradients into buckets in the reverse order of the parameters; after
+    its first backward it rebuilds them, once, in the order the gradients became ready.
+    An all-reduce over 3 or more ranks adds each element in an order that depends on where
+    the element sits in its bucket, so without this a resumed run's first step would round
+    differently from the same step of the uninterrupted run. Every gradient of the zero
+    loss is zero and is dropped: the weights, optimizer, data and random generators are
+    left as they were."""
+    x = torch.zeros(batch_shape, dtype=torch.long, device=device)
+    with autocast:
+        loss = model(x, None).float().sum() * 0
+    loss.backward()
+    model.zero_grad(set_to_none=True)
 
 
 # ---- saving: write aside, rename, repoint ----------------------------------------------------

@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 # modules lie beside this script.
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from checkpoint import (FORMAT_VERSION, ResumableSampler, TrainState, checkpoint_candidates,  # noqa: E402
-                        load_latest, save_checkpoint)
+                        load_latest, rebuild_ddp_buckets, save_checkpoint)
 from preemption import StopRequest, data_workers_apart  # noqa: E402
 from common.cli import base_parser, checkpoint_folder, non_negative_int, positive_int, setup_logging  # noqa: E402
 from common.checkpoint_folder import run_settings  # noqa: E402
@@ -230,6 +230,8 @@ def main():
     loss_sum = torch.zeros((), device=device)
     stop = StopRequest()  # Ctrl-C and SIGTERM: finish the step, save, then leave
     model.train()
+    if distributed and start_step > 0:  # DDP's buckets as an uninterrupted run has them by now
+        rebuild_ddp_buckets(model, (args.batch_size, args.seq_length), device, autocast)
     for epoch in itertools.count(start_epoch):
         if step == total_steps or stopped:
             break

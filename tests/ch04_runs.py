@@ -30,12 +30,12 @@ def flags(save_dir, *extra):
             *(["--save-dir", save_dir] if save_dir else []), "--experiment-name", NAME, *extra]
 
 
-def train(save_dir, *extra, restarts=0, check=True, env=None, warm=True):
-    """The chapter's command: torchrun, 2 processes on the CPU (gloo). A run takes
-    seconds; the short timeout turns a hang into a failure soon. With `restarts`, a
+def train(save_dir, *extra, restarts=0, check=True, env=None, warm=True, nproc=2):
+    """The chapter's command: torchrun, 2 processes (or `nproc`) on the CPU (gloo). A run
+    takes seconds; the short timeout turns a hang into a failure soon. With `restarts`, a
     crashed job starts again as torchrun would start it (conftest.run: the suite's warm
     launcher counts TORCHELASTIC_RESTART_COUNT up; warm=False: torchrun itself)."""
-    cmd = torchrun_cmd(2, SCRIPT, *flags(save_dir, *extra),
+    cmd = torchrun_cmd(nproc, SCRIPT, *flags(save_dir, *extra),
                        extra=[f"--max-restarts={restarts}"] if restarts else [])
     return run(cmd, check=check, timeout=120, env=env, warm=warm)
 
