@@ -174,6 +174,7 @@ def test_ch04_on_two_hosts_cut_cable_then_resume_exactly(hosts, uninterrupted):
     left = {n: host_pids(n) for n in hosts.names}
     statuses, texts = wait_both(procs, logs, timeout=1)
     restore_link(hosts)
+    print(show(texts))  # whole, under "Captured stdout" if an assert below fails (its message is cut short)
     assert None not in ended, (f"a torchrun still ran {TIMEOUT + 60} s after the cut: {ended}, "
                                f"{left}", show(texts))
     print(f"\ncable cut after step {steps_logged(metrics)}, --timeout {TIMEOUT}: host1 torchrun "
