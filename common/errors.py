@@ -59,6 +59,10 @@ def reachable(host: str, port: int, timeout: float = 2.0) -> bool:
 TIMED_OUT = ("timed out", "timeout")
 PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe",
              "connection refused", "failed to recv, got 0 bytes")
+# What gloo says without naming itself, in a plain RuntimeError: when one operation times
+# out, gloo closes every connection of its group, and an operation that was waiting on
+# another (DDP's all-reduce inside backward, say) fails with this instead of the timeout.
+GLOO_UNNAMED = ("application timeout caused pair closure",)
 
 
 def launcher_stuck() -> bool:
@@ -98,7 +102,8 @@ def explain_peer_failures():
         yield
     except RuntimeError as e:  # gloo and store errors are RuntimeError subclasses
         text = str(e).lower()
-        if "RANK" not in os.environ or not (isinstance(e, DistError) or "gloo" in text):
+        collective = isinstance(e, DistError) or "gloo" in text or any(k in text for k in GLOO_UNNAMED)
+        if "RANK" not in os.environ or not collective:
             raise  # not a collective's error: the usual traceback
         if any(k in text for k in TIMED_OUT):
             what = "a peer stopped answering: a collective timed out (--timeout)"

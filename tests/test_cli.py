@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from torch.distributed import DistError
 
 from common.cli import base_parser, check_args, script_parser
 from common.distributed import BACKEND_ENV, backend_for, gpu_sharing_error
@@ -164,6 +165,29 @@ def test_other_ranks_wait_then_speak_for_themselves(capsys, monkeypatch):
         fail("same message")
     assert sleeps == [3.0]
     assert capsys.readouterr().err == "error: [rank 1] same message\n"
+
+
+@pytest.mark.parametrize("error, says", [
+    (RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting "
+                  "8000ms for recv operation to complete"), "a peer stopped answering"),
+    # gloo's words, without "gloo", for an operation that waited on the one that timed out
+    # (DDP's all-reduce in backward, seen on the two-hosts test's cut cable)
+    (RuntimeError("Application timeout caused pair closure"), "a peer stopped answering"),
+    (DistError("Connection closed by peer [10.77.0.1]:41097"), "a peer closed its connection"),
+])
+def test_a_lost_peer_is_one_line_per_rank(capsys, monkeypatch, error, says):
+    """A collective that timed out or lost its peer ends the rank with one line naming the
+    cause and exit status 1 (os._exit: no teardown talking to the peer that is gone)."""
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr("common.errors.launcher_stuck", lambda: False)
+    monkeypatch.setattr("common.errors.os._exit", lambda status: sys.exit(status))
+    with pytest.raises(SystemExit) as exit_:
+        run_main(lambda: (_ for _ in ()).throw(error))
+    assert exit_.value.code == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: rank 1: {says}") and str(error)[-20:] in err, err
+    with pytest.raises(RuntimeError, match="DataLoader timed out"):  # not a collective: its traceback
+        run_main(lambda: (_ for _ in ()).throw(RuntimeError("DataLoader timed out after 5 seconds")))
 
 
 
