@@ -99,6 +99,8 @@ def test_ddp_from_scratch_measuring_and_proving_use_the_demos_device(group, monk
     x = torch.randint(0, 300, (2, 16))
     batches = [(x, x)] * 2
     built = scratch.make_replicas(args, config, demo, torch.float64)
+    for r in built.values():  # AdamW's first step, before: torch 2.11 makes its step counter
+        r.step(x, x)          # without device= (a CPU scalar, by design), which meta would catch
     timed = scratch.run_modes(args, config, batches, demo, "", torch.float32)
     # prove() builds its replicas, then steps, compares and hands DDP's state on; time_modes()
     # trains through run_modes, then measures: give them those made above
