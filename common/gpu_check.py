@@ -4,6 +4,7 @@
     python -m common.gpu_check --out gpu-results     # on the GPU machine, offline
     python -m common.gpu_check --out gpu-results --dry-run   # the steps, without running them
     python -m common.gpu_check --out suite --no-bench -k "not chapter_05"   # a part of it
+    python -m common.gpu_check --out rehearsal --rehearsal   # no GPU here: the same steps on the CPU
 
 On the GPU machine it (1) installs what cannot be imported there (`datasets`, say) from
 the wheels brought along in `.whl/` (no registry needed; into a folder of its own, see
@@ -12,7 +13,10 @@ log), (3) runs the model benchmark in bf16 (`python -m common.bench_model`, pres
 base and medium at sequence 1024, eager and compiled), and (4) writes `results.json`: the
 device, driver, torch and CUDA versions, the date, each step's outcome and time, and the
 throughput targets met or not. Every file lands in the folder given, which must be new or
-empty. `--download-wheels` is its companion, run where PyPI is reachable: it downloads
+empty. `--rehearsal`, on a machine without a GPU, runs the same steps at sizes a CPU
+runs in minutes (the suite with LLM_GUIDE_GPU_REHEARSAL=1, the benchmark's tiny preset
+eager), so that the runner and the suite can be tried before GPU time is spent.
+`--download-wheels` is its companion, run where PyPI is reachable: it downloads
 the wheels for the GPU machine's Python into `.whl/` (ignored by git), with an older
 `datasets` beside the newest for an image whose pyarrow the newest does not accept.
 """
@@ -54,6 +58,9 @@ ALREADY_THERE = ("pyarrow", "numpy", "pandas")
 FALLBACKS = ("datasets>=4,<5.1",)
 BENCH_ARGS = ["--presets", "small", "base", "medium", "--seq-length", "1024", "--batch-size", "16",
               "--iters", "10", "--warmup", "3", "--profile", "3"]
+# --rehearsal, on a CPU: the benchmark's steps at a size that takes seconds.
+REHEARSAL_BENCH_ARGS = ["--presets", "tiny", "--seq-length", "64", "--batch-size", "2", "--iters", "2",
+                        "--warmup", "1", "--no-compile", "--profile", "1"]
 # (what, where in the results, at least): the targets on one H100 in bf16.
 TARGETS = [
     ("chapter 01, base, seq 1024, compiled: MFU", ("gpu_tests", "ch01_base_compiled", "mfu"), 0.40),
@@ -78,9 +85,11 @@ def missing_modules(names=NEEDED) -> list[str]:
 
 
 def plan(out: Path, missing: list[str], wheels: Path = WHEELS, tests: bool = True,
-         bench: bool = True, select: str | None = None, site: Path | None = None) -> list[Step]:
+         bench: bool = True, select: str | None = None, site: Path | None = None,
+         rehearsal: bool = False) -> list[Step]:
     """The steps of a run, in order: install what is missing, the GPU suite (only its tests
-    that pytest's `-k select` picks, if given), the benchmark.
+    that pytest's `-k select` picks, if given), the benchmark; rehearsed on a CPU, the
+    suite's rehearsal and the benchmark at CPU sizes.
 
     The install is two steps, so that it works where the Python environment cannot be
     written (an image's environment owned by another user): pip resolves what is missing
@@ -100,9 +109,11 @@ def plan(out: Path, missing: list[str], wheels: Path = WHEELS, tests: bool = Tru
         steps.append(Step("gpu tests", [py, "-m", "pytest", "-q", "-m", "gpu", "tests/",
                                         f"--junitxml={out / 'gpu_tests.xml'}",
                                         *(["-k", select] if select else [])], "gpu_tests.log",
-                          env={"LLM_GUIDE_GPU_RESULTS": str(out)}))
+                          env={"LLM_GUIDE_GPU_RESULTS": str(out),
+                               **({"LLM_GUIDE_GPU_REHEARSAL": "1"} if rehearsal else {})}))
     if bench:
-        steps.append(Step("bench_model", [py, "-m", "common.bench_model", *BENCH_ARGS,
+        steps.append(Step("bench_model", [py, "-m", "common.bench_model",
+                                          *(REHEARSAL_BENCH_ARGS if rehearsal else BENCH_ARGS),
                                           "--json", str(out / "bench_model.json")], "bench_model.log"))
     return steps
 
@@ -115,12 +126,17 @@ def planned_wheels(report: Path) -> list[str]:
     return [unquote(urlparse(item["download_info"]["url"]).path) for item in items]
 
 
+def shown(step: Step) -> str:
+    """The step as a shell command line, its own environment variables first."""
+    return "".join(f"{k}={shlex.quote(v)} " for k, v in step.env.items()) + shlex.join(step.argv)
+
+
 def run_step(step: Step, out: Path, site: Path | None = None) -> dict:
     """Run one step from the repo root, its output into its log; its outcome and time.
     The repo and `site` (the installed missing packages) come first on PYTHONPATH."""
     path = [str(REPO), str(site) if site else None, os.environ.get("PYTHONPATH")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path)), "PYTHONUNBUFFERED": "1", **step.env}
-    print(f"== {step.name}: {shlex.join(step.argv)}  (log: {out / step.log})", flush=True)
+    print(f"== {step.name}: {shown(step)}  (log: {out / step.log})", flush=True)
     t0 = time.perf_counter()
     with open(out / step.log, "w") as log:
         try:
@@ -130,7 +146,7 @@ def run_step(step: Step, out: Path, site: Path | None = None) -> dict:
             status = "timed out"
     seconds = time.perf_counter() - t0
     print(f"   {step.name}: {'ok' if status == 0 else f'FAILED ({status})'} in {seconds:,.0f} s", flush=True)
-    return {"name": step.name, "command": shlex.join(step.argv), "log": step.log, "status": status,
+    return {"name": step.name, "command": shown(step), "log": step.log, "status": status,
             "seconds": seconds}
 
 
@@ -177,14 +193,14 @@ def environment() -> dict:
 
 def targets(results: dict) -> list[dict]:
     """Each target with its measured value (None where the run did not produce it) and
-    whether it is met."""
+    whether it is met (None in a rehearsal: a CPU is not what the targets are for)."""
     out = []
     for what, path, at_least in TARGETS:
         value = results
         for key in path:
             value = value.get(key) if isinstance(value, dict) else None
         out.append({"target": what, "at_least": at_least, "value": value,
-                    "met": None if value is None else value >= at_least})
+                    "met": None if value is None or results.get("rehearsal") else value >= at_least})
     return out
 
 
@@ -228,6 +244,9 @@ def parse_args(argv=None):
     p.add_argument("--wheels", type=Path, default=WHEELS, help="the wheels to install from")
     p.add_argument("--no-tests", action="store_true", help="skip the GPU test suite")
     p.add_argument("--no-bench", action="store_true", help="skip the model benchmark")
+    p.add_argument("--rehearsal", action="store_true",
+                   help="on a machine without a GPU: the same steps on the CPU at small sizes, to try the "
+                        "runner and the suite before GPU time is spent (its figures meet no target)")
     p.add_argument("-k", dest="select", default=None,
                    help="only the GPU tests this pytest -k expression selects (e.g. 'chapter_05')")
     p.add_argument("--download-wheels", action="store_true",
@@ -242,8 +261,11 @@ def parse_args(argv=None):
         fail("--out is required (the folder the results go into), or --download-wheels")
     if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
         fail(f"--out {str(args.out)!r} exists and is not an empty folder; choose a new one")
-    if not args.dry_run and not torch.cuda.is_available():
-        fail("no CUDA GPU here: this runs the GPU suite and benchmark (--dry-run shows the steps)")
+    if args.rehearsal and torch.cuda.is_available():
+        fail("--rehearsal is for a machine without a GPU: here, run without it")
+    if not args.dry_run and not args.rehearsal and not torch.cuda.is_available():
+        fail("no CUDA GPU here: this runs the GPU suite and benchmark (--dry-run shows the steps; "
+             "--rehearsal runs them on the CPU at small sizes)")
     return args
 
 
@@ -255,7 +277,7 @@ def main(argv=None) -> int:
     out = args.out.resolve()
     missing = missing_modules()
     steps = plan(out, missing, args.wheels, tests=not args.no_tests, bench=not args.no_bench,
-                 select=args.select)
+                 select=args.select, rehearsal=args.rehearsal)
     if missing and not args.wheels.is_dir():
         fail(f"cannot import {', '.join(missing)}, and there are no wheels in {args.wheels} to install "
              f"from (python -m common.gpu_check --download-wheels, where PyPI is reachable)")
@@ -265,13 +287,14 @@ def main(argv=None) -> int:
             print(f"   ({', '.join(NEEDED)} already importable: nothing to install)")
         for step in steps:
             more = f" <the wheels {INSTALL_PLAN} names>" if step.name == "install" else ""
-            print(f"== {step.name}: {shlex.join(step.argv)}{more}  (log: {step.log})")
+            print(f"== {step.name}: {shown(step)}{more}  (log: {step.log})")
         print("then results.json: device, driver, torch, date, each step, the targets")
         return 0
     out.mkdir(parents=True, exist_ok=True)
-    results = {"environment": environment(), "steps": []}
-    print(f"{results['environment']['cuda_devices']}, driver {results['environment']['nvidia_smi'].get('driver')}, "
-          f"torch {torch.__version__}: results into {out}", flush=True)
+    results = {"environment": environment(), "rehearsal": args.rehearsal, "steps": []}
+    where = ("a rehearsal on the CPU" if args.rehearsal else
+             f"{results['environment']['cuda_devices']}, driver {results['environment']['nvidia_smi'].get('driver')}")
+    print(f"{where}, torch {torch.__version__}: results into {out}", flush=True)
     run_steps(steps, out, SITE if missing else None, results)
     results["gpu_tests"] = read_json_or_none(out / "gpu_tests.json")
     results["bench_model"] = read_json_or_none(out / "bench_model.json")
@@ -280,7 +303,8 @@ def main(argv=None) -> int:
     for t in results["targets"]:
         value = "not measured" if t["value"] is None else f"{t['value']:.3f}"
         print(f"target: {t['target']} >= {t['at_least']}: {value}"
-              + ("" if t["met"] is None else (" (met)" if t["met"] else " (NOT met)")))
+              + ("" if t["met"] is None else (" (met)" if t["met"] else " (NOT met)"))
+              + (" (rehearsed on the CPU: not what the target is for)" if args.rehearsal else ""))
     failed = [s["name"] for s in results["steps"] if s["status"] != 0]
     print(f"{'FAILED: ' + ', '.join(failed) if failed else 'every step passed'}; results in {out / 'results.json'}")
     return 1 if failed else 0

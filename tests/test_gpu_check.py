@@ -163,3 +163,25 @@ def test_a_failed_resolve_ends_the_run(tmp_path):
     gpu_check.run_steps(steps, tmp_path, tmp_path / "s", results)
     assert [s["name"] for s in results["steps"]] == ["resolve"] and results["steps"][0]["status"] != 0
     assert not (tmp_path / "s").exists()
+
+
+def test_the_rehearsal_runs_the_runner_end_to_end_on_the_cpu(tmp_path, monkeypatch, capsys):
+    """--rehearsal, where there is no GPU: the runner's own steps as on a GPU machine (one
+    test of the suite, picked with -k; the benchmark at CPU sizes) into one folder, the
+    suite's figures and the benchmark's rows in results.json, and no target judged."""
+    for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID"):
+        monkeypatch.delenv(name, raising=False)  # the suite inside is a pytest run of its own
+    out = tmp_path / "rehearsal"
+    assert "no CUDA GPU here" in refused(capsys, gpu_check.parse_args, ["--out", out])
+    status = gpu_check.main(["--out", str(out), "--rehearsal", "-k", "chapter_05_collectives"])
+    results = gpu_check.read_json_or_none(out / "results.json")
+    assert status == 0, [(out / s["log"]).read_text()[-3000:] for s in results["steps"]]
+    assert results["rehearsal"] and [s["name"] for s in results["steps"]] == ["gpu tests", "bench_model"]
+    assert results["steps"][0]["command"].startswith(f"LLM_GUIDE_GPU_RESULTS={out} LLM_GUIDE_GPU_REHEARSAL=1 ")
+    assert results["gpu_tests"]["rehearsal_on_cpu"] and results["gpu_tests"]["ch05_collectives_gloo_2"] == "ok"
+    assert "1 passed" in (out / "gpu_tests.log").read_text() and (out / "gpu_tests.xml").is_file()
+    [row] = [r for r in results["bench_model"]["rows"] if r["step"] == "training step"]
+    assert (row["preset"], row["mode"]) == ("tiny", "eager") and row["tokens_per_s"] > 0
+    assert all(t["met"] is None for t in results["targets"])
+    assert sorted(p.name for p in out.iterdir()) == ["bench_model.json", "bench_model.log", "gpu_tests.json",
+                                                      "gpu_tests.log", "gpu_tests.xml", "results.json"]
