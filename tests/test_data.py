@@ -397,6 +397,53 @@ def test_datasets_memory_map_the_token_files_and_hold_no_copy(tmp_path):
     assert growth < files_mb / 4, (growth, files_mb)
 
 
+def test_a_workers_own_memory_is_told_apart_from_the_file_pages_it_maps(tmp_path):
+    """python -m common.data_memory's poller on two forked children, as it follows
+    DataLoader workers: one reads a 64 MB file through a memory-map, the other allocates
+    64 MB. Both peaks grow; only the second's own (anonymous) memory does."""
+    import mmap
+    import os
+    import threading
+
+    from common.data_memory import _workers_peak
+    tokens = tmp_path / "tokens.bin"
+    tokens.write_bytes(np.random.default_rng(0).integers(0, 255, 64 << 20, dtype=np.uint8).tobytes())
+
+    def read_the_file():
+        with open(tokens, "rb") as f:
+            m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        sum(m[i] for i in range(0, len(m), 4096))
+        return m
+
+    def allocate():
+        b = bytearray(64 << 20)
+        for i in range(0, len(b), 4096):
+            b[i] = 1
+        return b
+
+    def in_a_child(work):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                held = work()  # noqa: F841 (held while the poller looks)
+                time.sleep(0.5)
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+        return str(pid)
+    peaks, stop = {}, threading.Event()
+    poller = threading.Thread(target=_workers_peak, args=(peaks, stop))
+    poller.start()
+    try:
+        reader, owner = in_a_child(read_the_file), in_a_child(allocate)
+    finally:
+        stop.set()
+        poller.join()
+    r, o = peaks[reader], peaks[owner]
+    assert r["rss"] - r["anon"] > o["rss"] - o["anon"] + 50, (r, o)  # the file's pages: in the peak alone
+    assert o["anon"] > r["anon"] + 50, (r, o)                        # the allocation: its own
+
+
 def test_a_large_local_corpus_is_tokenized_by_processes_with_a_progress_bar(corpus, tokenizer, tmp_path,
                                                                            monkeypatch, capfd):
     tok, _ = tokenizer
