@@ -476,8 +476,7 @@ def write_report(runs: list[Run], out: Path, sections=()) -> tuple[str, list[Pat
 
 
 def main(argv=None) -> int:
-    p = Parser(prog="python -m common.report",
-                                description="Compare runs: Markdown table and PNG plots.")
+    p = Parser(prog="python -m common.report", description="Compare runs: Markdown table and PNG plots.")
     p.add_argument("run_dirs", nargs="*", metavar="RUN_DIR",
                    help=f"run folders or their parents (default: {DEFAULT_SAVE_DIR})")
     p.add_argument("--include-archived", action="store_true",
