@@ -87,7 +87,8 @@ def profile_step(step, device: torch.device, steps: int, step_s: float, matmul_f
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     if cuda:
         torch.cuda.synchronize(device)
-    with profile(activities=activities) as prof:
+    # one profiling cycle: acc_events only spares the warning that later cycles would drop it
+    with profile(activities=activities, acc_events=True) as prof:
         for _ in range(steps):
             step()
         if cuda:
