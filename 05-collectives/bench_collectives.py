@@ -88,6 +88,16 @@ def parse_args(argv=None):
     def check_sizes(args):
         if args.min_bytes > args.max_bytes:
             raise UsageError(f"--min-bytes {args.min_bytes} is larger than --max-bytes {args.max_bytes}")
+        # The smallest message holds one element, and one per rank where each rank holds a
+        # part (all_gather, reduce_scatter): smaller sizes would be rounded up, and the table
+        # would list a size it never timed.
+        world = int(os.environ.get("WORLD_SIZE") or 1)
+        parts = world if {"all_gather", "reduce_scatter"} & set(args.ops) else 1
+        smallest = DTYPES[args.dtype].itemsize * parts
+        if args.min_bytes < smallest:
+            per_rank = f" per rank ({world} ranks) for all_gather and reduce_scatter" if parts > 1 else ""
+            raise UsageError(f"--min-bytes {args.min_bytes}: the smallest message is one {args.dtype} "
+                             f"element{per_rank}, {smallest} bytes; raise --min-bytes")
     p.checks.append(check_sizes)
     return p.parse_args(argv)
 

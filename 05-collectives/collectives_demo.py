@@ -13,6 +13,7 @@ against the value worked out by hand. Any wrong result makes the script exit non
 after the group's timeout instead of waiting forever.
 """
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -321,9 +322,12 @@ def main():
     group = start_demo(args.timeout)
     rank, world, device = group.rank, group.world, group.device
     if args.timeout_demo:
-        # After a timeout the group is broken and tearing it down could block; torchrun
-        # ends the other ranks anyway.
-        return timeout_demo(rank, world, device, args.timeout)
+        # After a timeout the group is broken: tearing it down, even the interpreter's own
+        # clean-up at exit, can block or abort (SIGABRT from gloo's threads). Leave at
+        # once with the demo's status; torchrun ends the other ranks anyway.
+        rc = timeout_demo(rank, world, device, args.timeout)
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(rc)
     if rank == 0:
         print(f"{world} ranks, backend {group.backend}, device {device.type}; "
               f"torch {torch.__version__}", flush=True)

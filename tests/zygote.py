@@ -14,6 +14,7 @@ The reply lines on stdout: {"started": pid}, later {"pid": pid, "status": code},
 code is the exit status, or -signal. The pid is the launcher's (a process group leader);
 its children are the ranks (tests/warm.py: kill_launch stops them all)."""
 
+import atexit
 import gc
 import importlib
 import json
@@ -46,6 +47,11 @@ STOPPED = []  # signals the launcher got (a launcher process serves one launch)
 def become(request: dict, env: dict) -> None:
     """In a forked child: the process `python script args` would be, then run it."""
     signal.set_wakeup_fd(-1)
+    # At exit, what the zygote froze goes back to the collector, as in an interpreter of
+    # its own: the exit's last collection frees it (registered first, this runs after the
+    # script's own exit handlers). Left frozen, objects of extension modules outlive their
+    # module, and triton 3.9's bindings (torch 2.15) print a leak report on stderr.
+    atexit.register(gc.unfreeze)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     os.environ.clear()
     os.environ.update(env)
