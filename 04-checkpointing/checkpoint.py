@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import os
 import random
+import re
 import shutil
 import time
 from pathlib import Path
@@ -239,8 +240,15 @@ def checkpoint_candidates(ckpt_dir: Path, log) -> list[Path]:
     folders = sorted((p for p in Path(ckpt_dir).glob("step-*") if p.is_dir()), reverse=True)
     latest = Path(ckpt_dir) / "latest"
     if latest.is_file():
-        name = latest.read_text().strip()
-        return [p for p in folders if p.name <= name]
+        name = latest.read_text(errors="replace").strip()
+        if re.fullmatch(r"step-\d{8}", name):
+            return [p for p in folders if p.name <= name]
+        # emptied or overwritten by hand: it names nothing, which must not read as
+        # "nothing was committed" (a fresh start would then replace the checkpoints)
+        if folders:
+            log.warning("%s/latest names no checkpoint (%r): trying the newest that verifies",
+                        ckpt_dir, name[:40])
+        return folders
     if folders:
         log.warning("%s has checkpoints but no `latest` pointer: trying the newest that verifies",
                     ckpt_dir)
@@ -276,15 +284,16 @@ def load_latest(candidates: list[Path], train_state: TrainState, settings: dict,
             except Exception as e:  # truncated, corrupted, another format, a crafted pickle
                 error = one_line(e)
                 log.warning("checkpoint %s cannot be used (%s); trying the one before", candidate, error)
-    # every rank learns what rank 0 found, and stops with it or receives the state
-    found = [str(path) if path else None, mismatch, error]
+    # every rank learns what rank 0 found (only rank 0 knows whether it had candidates),
+    # and stops with it or receives the state
+    found = [str(path) if path else None, mismatch, error, str(Path(candidates[0]).parent) if candidates else None]
     if dist.is_initialized():
         dist.broadcast_object_list(found, src=0, group=waiting)
-    path, mismatch, error = Path(found[0]) if found[0] else None, found[1], found[2]
+    path, mismatch, error, tried = Path(found[0]) if found[0] else None, found[1], found[2], found[3]
     if mismatch:
         fail(mismatch)
-    if candidates and path is None:
-        fail(f"no checkpoint in {Path(candidates[0]).parent} could be loaded (the last: {error}); "
+    if tried and path is None:
+        fail(f"no checkpoint in {tried} could be loaded (the last: {error}); "
              f"nothing was changed: move the broken ones away, or start over with --fresh")
     if path and dist.is_initialized():
         train_state.broadcast_from_rank0(rank)

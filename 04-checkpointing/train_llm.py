@@ -148,15 +148,35 @@ def resume(args, run_dir, train_state, rank, settings, log):
     if path:
         log.info("resumed from %s: step %d, epoch %d, %d steps into it", path, train_state.step,
                  train_state.epoch, train_state.step_in_epoch)
+    elif first_attempt and rank == 0 and (archive := archive_run(run_dir)):
+        # nothing to resume, yet earlier files (another chapter's run of this name, a job
+        # killed before its first checkpoint): kept aside, never overwritten
+        log.warning("no checkpoint to resume from in %s: its earlier files moved to %s", run_dir, archive)
     return path
 
 
-def crash_once(run_dir, step: int, crash_at_step: int | None, this_rank: bool):
-    """Fault injection (--crash-at-step): `this_rank` raises after step `crash_at_step`,
-    once per run folder (a marker file remembers it), so a restarted run goes on."""
+def finished_before(run_dir, step: int, total_steps: int, rank: int) -> bool:
+    """Did this run finish before: all its steps, and its summary written? Rank 0's disk
+    holds the answer (the other machines' may not share it); every rank receives it."""
+    finished = [step >= total_steps and rank == 0 and (Path(run_dir) / "summary.json").exists()]
+    if dist.is_initialized():
+        dist.broadcast_object_list(finished, src=0)
+    return finished[0]
+
+
+def crash_once(run_dir, step: int, crash_at_step: int | None, rank: int, world_size: int):
+    """Fault injection (--crash-at-step): the last rank raises after step `crash_at_step`,
+    once per run folder, so a restarted run goes on: rank 0, whose disk holds the folder,
+    leaves a marker file there and tells the others (every rank calls it)."""
+    if step != crash_at_step:
+        return
     marker = Path(run_dir) / f"crash-injected-at-step-{step}"
-    if step == crash_at_step and this_rank and not marker.exists():
+    armed = [rank == 0 and not marker.exists()]
+    if armed[0]:
         marker.touch()
+    if dist.is_initialized():
+        dist.broadcast_object_list(armed, src=0)
+    if armed[0] and rank == world_size - 1:
         raise RuntimeError(f"injected crash after step {step} (--crash-at-step)")
 
 
@@ -209,7 +229,7 @@ def main():
     settings = run_settings(args, global_batch, data.fingerprint, FORMAT_VERSION)  # what defines this run
     resume(args, run_dir, train_state, rank, settings, log)
     start_step, start_epoch, start_in_epoch = train_state.step, train_state.epoch, train_state.step_in_epoch
-    if start_step >= total_steps and (run_dir / "summary.json").exists():
+    if finished_before(run_dir, start_step, total_steps, rank):
         log.info("this run already finished (step %d of %d); nothing to do", start_step, total_steps)
         del model  # as at the end of main(): free DDP before its process group
         return gc_and_destroy_process_group()
@@ -296,7 +316,7 @@ def main():
                                                      keep_last=args.keep_last, rank=rank))
             if stopped:
                 break
-            crash_once(run_dir, step, args.crash_at_step, rank == world_size - 1)  # fault injection
+            crash_once(run_dir, step, args.crash_at_step, rank, world_size)  # fault injection
     tracker.close()
     stop.uninstall()  # the last step is committed: from here a signal acts as usual
     if stopped:  # the checkpoint holds everything: the same command continues from it

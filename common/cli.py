@@ -96,7 +96,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     text already says it."""
 
     def _get_help_string(self, action):
-        if action.default in (None, False) or "default" in (action.help or ""):
+        if action.default is None or action.default is False or "default" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
 
@@ -159,7 +159,7 @@ def base_parser(chapter: str, description: str, *, distributed: bool = False,
     g.add_argument("--warmup-steps", type=non_negative_int, default=10,
                    help="steps of linear learning-rate warmup before the cosine decay")
     g.add_argument("--num-epochs", type=positive_int, default=1,
-                   help="passes over the training set (unless --max-steps stops sooner)")
+                   help="passes over the training set; read only with --max-steps 0")
     g.add_argument("--max-steps", type=non_negative_int, default=100,
                    help="stop after this many optimizer steps; 0 = run all epochs")
     g.add_argument("--seed", type=seed_value, default=0,
@@ -202,7 +202,8 @@ def check_args(args, *, run_dir_must_be_new: bool = True) -> None:
         raise UsageError(f"--seq-length {args.seq_length} exceeds the {args.model_preset!r} "
                          f"preset's max_position_embeddings={max_pos}")
     if args.vocab_size < 260:
-        raise UsageError(f"--vocab-size {args.vocab_size} is below the 256 bytes plus 3 special tokens")
+        raise UsageError(f"--vocab-size {args.vocab_size} is below 260: the 256 bytes and 3 special tokens "
+                         f"would leave no room for a single learned token")
     if args.vocab_size > 2**20:
         raise UsageError(f"--vocab-size {args.vocab_size} is above {2**20:,}, more than a BPE "
                          f"tokenizer can learn here")
@@ -382,7 +383,11 @@ def cuda_device_ids(text: str) -> list[int]:
 
 
 def checkpoint_folder(text: str) -> str:
-    """--resume-from: a chapter 04 checkpoint folder (it holds manifest.json)."""
-    if not os.path.isfile(os.path.join(text, "manifest.json")):
+    """--resume-from: a chapter 04 checkpoint folder (it holds manifest.json). Checked where
+    and when it is read: by rank 0 (the other machines may not share its disk; rank 0's
+    verdict reaches them), on a job's first attempt (a torchrun restart resumes from the
+    latest checkpoint, and --keep-last may have pruned this one since)."""
+    elsewhere = os.environ.get("RANK", "0") != "0" or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+    if not elsewhere and not os.path.isfile(os.path.join(text, "manifest.json")):
         raise argparse.ArgumentTypeError(f"{text!r} is not a checkpoint folder (no manifest.json)")
     return text

@@ -101,6 +101,7 @@ def write_manifest(folder: Path, meta: dict, known: dict[str, str] | None = None
              for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST
              for name in [str(p.relative_to(folder))]}
     fsync_write(folder / MANIFEST, lambda f: f.write(json.dumps({**meta, "sha256": files}, indent=1).encode()))
+    fsync_dir(folder)  # the files' names too, before the folder is renamed into place
 
 
 def read_manifest(folder: Path) -> dict:

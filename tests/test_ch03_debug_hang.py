@@ -68,3 +68,16 @@ def test_a_hang_shows_every_stack_and_detail_names_the_missing_rank():
     assert f"rank 0 failed in step 2: [Rank 0]: Ranks 1 failed to pass monitoredBarrier in {timeout * 1000} ms" \
         in out, out + err
     assert waited < timeout + 30
+
+
+def test_the_stacks_quoted_in_the_readme_name_the_lines_of_the_script():
+    """Each frame `function (debug_hang.py:N)` of the README's py-spy dumps is a line of
+    that function in the script as it is now: an edit above it would shift the numbers."""
+    script = (REPO / "03-ddp" / "debug_hang.py").read_text().splitlines()
+    frames = re.findall(r"^ +(\w+) \(debug_hang\.py:(\d+)\)$", (REPO / "03-ddp" / "README.md").read_text(), re.M)
+    assert len(frames) >= 4
+    for function, line in frames:
+        above = script[:int(line)]
+        enclosing = next(text for text in reversed(above) if text.startswith("def "))
+        assert enclosing.startswith(f"def {function}("), (function, line, enclosing)
+        assert above[-1].strip() and not above[-1].lstrip().startswith(("#", "def ")), (function, line)

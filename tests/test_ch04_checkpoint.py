@@ -139,6 +139,20 @@ def test_without_a_latest_pointer_the_newest_checkpoint_that_verifies_is_used(tm
     assert "state.pt does not match its checksum" in log.lines[1]
 
 
+@pytest.mark.parametrize("pointer", ["", "garbage\n", "step-2"])
+def test_a_latest_that_names_no_checkpoint_makes_every_folder_a_candidate(tmp_path, pointer):
+    """`latest` emptied or overwritten by hand must not read as "nothing committed":
+    the run would start over and its saves would replace the checkpoints."""
+    state = train_state(0, steps=1)
+    save(state, tmp_path)
+    state.step = 2
+    save(state, tmp_path)
+    (tmp_path / "latest").write_text(pointer)
+    log = Log()
+    assert [p.name for p in checkpoint.checkpoint_candidates(tmp_path, log)] == ["step-00000002", "step-00000001"]
+    assert "latest names no checkpoint" in log.lines[0]
+
+
 def test_uncommitted_folders_beyond_latest_are_not_candidates(tmp_path):
     state = train_state(0, steps=1)
     first = save(state, tmp_path)
@@ -266,6 +280,22 @@ def two_ranks(root):
               "n_tensors": len(list(saved.tensors())), "warnings": log.lines,
               "state_bytes": (path / "state.pt").stat().st_size}
     votes = stop_votes(rank)
+    # only rank 0 has candidates, and none loads: every rank must stop, not rank 0 alone
+    try:
+        checkpoint.load_latest([root / "step-99"] if rank == 0 else [], train_state(rank + 20), SETTINGS,
+                               rank=rank, log=Log())
+        result["none loads"] = "went on"
+    except SystemExit as e:
+        result["none loads"] = e.code
+    # --crash-at-step without a shared disk: rank 1's machine has no run folder
+    crashes = []
+    for _ in range(2):  # the job, then its restart
+        try:
+            ch04.crash_once(root if rank == 0 else root / "not-on-this-machine", 5, 5, rank, 2)
+            crashes.append(False)
+        except RuntimeError:
+            crashes.append(True)
+    result["crashes"] = crashes
     (root / f"rank-{rank}.json").write_text(json.dumps({"result": result, "votes": votes}))
     dist.destroy_process_group()
 
@@ -322,6 +352,21 @@ def test_rank_0_reads_and_every_rank_receives_each_tensor_in_place(spawned):
         assert r["tensors"] == r["n_tensors"]
         assert sum(r["objects"]) < r["state_bytes"] / 10, (r["objects"], r["state_bytes"])
     assert "step-99 cannot be used" in results[0]["warnings"][0]
+
+
+def test_when_no_candidate_loads_every_rank_stops_not_rank_0_alone(spawned):
+    """Only rank 0 lists candidates (its disk holds them); its verdict reaches the others,
+    which would otherwise start fresh and wait forever in the first collective."""
+    results, _ = spawned
+    assert results[0]["none loads"] == results[1]["none loads"] == 2
+
+
+def test_the_injected_crash_happens_once_on_the_last_rank_without_a_shared_disk(spawned):
+    """Rank 0 keeps the marker in the run folder and tells the others: the last rank
+    crashes once even where it cannot see the folder, and a restart goes on."""
+    results, root = spawned
+    assert results[1]["crashes"] == [True, False] and results[0]["crashes"] == [False, False]
+    assert (root / "crash-injected-at-step-5").exists() and not (root / "not-on-this-machine").exists()
 
 
 def test_the_stop_vote_never_blocks_a_step_and_every_rank_stops_at_the_same_one(spawned):

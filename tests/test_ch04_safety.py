@@ -145,13 +145,29 @@ def test_a_run_stopped_after_its_last_checkpoint_is_finished_by_the_rerun(tmp_pa
 
 
 def test_resume_from_acts_once_per_job_under_restarts(tmp_path, crashed, uninterrupted):
-    """--resume-from step 3, then a crash after step 8 under --max-restarts: the restart
-    resumes from step 6, which this job saved, not from step 3 again."""
+    """--resume-from step 3, then a crash after step 10 under --max-restarts: the restart
+    resumes from step 9, which this job saved, not from step 3 again; nor does it check
+    --resume-from again, though --keep-last 2 has pruned step 3 by then."""
     run_dir = copy_run(crashed[1], tmp_path)
     ckpt = run_dir / "checkpoints"
-    proc = train(tmp_path, "--resume-from", ckpt / step_dir(3), "--crash-at-step", 8, restarts=1)
-    assert proc.stdout.count("resumed from") == 2
-    assert f"resumed from {ckpt / step_dir(6)}: step 6" in proc.stdout.split("injected crash")[-1]
+    proc = train(tmp_path, "--resume-from", ckpt / step_dir(3), "--crash-at-step", 10, restarts=1)
+    assert proc.stdout.count("resumed from") == 2 and not (ckpt / step_dir(3)).exists()
+    assert f"resumed from {ckpt / step_dir(9)}: step 9" in proc.stdout.split("injected crash")[-1]
+    assert_same_as_uninterrupted(run_dir, uninterrupted[1])
+
+
+def test_a_folder_of_another_chapters_run_is_archived_not_overwritten(tmp_path, uninterrupted):
+    """The same --experiment-name as a chapter 03 run (results, no checkpoints): chapter 04
+    starts fresh and moves those files into an archive, byte for byte, first."""
+    run_dir = tmp_path / NAME
+    run_dir.mkdir()
+    earlier = {"metrics.jsonl": b'{"step": 1}\n', "summary.json": b'{"chapter": "03-ddp"}', "model.pt": b"weights"}
+    for name, data in earlier.items():
+        (run_dir / name).write_bytes(data)
+    proc = train(tmp_path)
+    [archive] = run_dir.glob("archive-*")
+    assert {p.name: p.read_bytes() for p in archive.iterdir()} == earlier
+    assert f"no checkpoint to resume from in {run_dir}: its earlier files moved to {archive}" in proc.stdout
     assert_same_as_uninterrupted(run_dir, uninterrupted[1])
 
 

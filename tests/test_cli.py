@@ -4,6 +4,7 @@ lost, whichever rank exits first."""
 
 from __future__ import annotations
 
+import argparse
 import re
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import pytest
 import torch
 from torch.distributed import DistError
 
+from common import cli
 from common.cli import base_parser, check_args, script_parser
 from common.distributed import BACKEND_ENV, backend_for, gpu_sharing_error
 from common.errors import UsageError, fail, run_main
@@ -113,6 +115,9 @@ def test_every_flag_has_help_and_each_default_is_shown_once(tmp_path, capsys):
         assert action.help, action.option_strings
     text = parser.format_help()
     assert text.count("(default: 8)") == 1  # --batch-size
+    # a default of 0 is shown too (--seed); a switch's False is not
+    flat = " ".join(text.split())
+    assert "of the data order (default: 0)" in flat and "(default: False)" not in flat
     assert "default: <chapter>-<timestamp>) (default" not in text
 
 
@@ -334,3 +339,21 @@ def test_a_backend_that_cannot_work_is_refused_before_any_work(tmp_path, capsys,
     line = refused(capsys, script_parser("05-x", "test").parse_args, ["--save-dir", tmp_path])
     assert "LLM_GUIDE_BACKEND='ncl': choose nccl or gloo" in line
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("env, refused", [({}, True), ({"RANK": "0", "TORCHELASTIC_RESTART_COUNT": "0"}, True),
+                                          ({"RANK": "1"}, False), ({"TORCHELASTIC_RESTART_COUNT": "1"}, False)])
+def test_resume_from_is_checked_where_and_when_it_is_read(tmp_path, monkeypatch, env, refused):
+    """--resume-from is read by rank 0 on a job's first attempt: there a folder without a
+    manifest is refused at once. Another machine may not see rank 0's disk, and a restart
+    ignores the flag (--keep-last may have pruned the folder): neither refuses it."""
+    for name in ("RANK", "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    missing = str(tmp_path / "step-00000003")
+    if refused:
+        with pytest.raises(argparse.ArgumentTypeError, match="is not a checkpoint folder"):
+            cli.checkpoint_folder(missing)
+    else:
+        assert cli.checkpoint_folder(missing) == missing
