@@ -25,6 +25,7 @@ from .distributed import BACKEND_ENV, gpu_sharing_error
 from .environment import threads_override
 from .errors import UsageError, fail
 from .model import PRESETS
+from .runfolder import holds_results
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SAVE_DIR = REPO_ROOT / "outputs" if (REPO_ROOT / "pyproject.toml").exists() \
@@ -263,7 +264,10 @@ def check_run_folder(args, name_prefix: str, *, must_be_new: bool = True) -> Non
     if save_dir.exists() and not save_dir.is_dir():
         raise UsageError(f"--save-dir {str(save_dir)!r} exists and is not a folder")
     run_dir = save_dir / args.experiment_name
-    if must_be_new and run_dir.is_dir() and any(p.name != ".owner" for p in run_dir.iterdir()):
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UsageError(f"run folder {str(run_dir)!r} exists and is a file; choose another --experiment-name")
+    check_writable_folder(save_dir, "--save-dir")  # a read-only or full place: now, not after the data
+    if must_be_new and holds_results(run_dir):
         raise UsageError(f"run folder {str(run_dir)!r} already exists and is not empty; "
                          f"choose another --experiment-name or remove it")
 

@@ -153,6 +153,6 @@ def run_main(main, oom_advice: str = TRAINING_OOM_ADVICE):
         fail(f"out of memory ({first[:200]}): {oom_advice}", status=1)
     except KeyboardInterrupt:
         if int(os.environ.get("RANK") or 0) == 0:
-            print("\ninterrupted (Ctrl-C); nothing after the last completed step was saved",
-                  file=sys.stderr, flush=True)
+            print("\ninterrupted (Ctrl-C): stopped where it was; what it logged so far stays, "
+                  "nothing else was saved", file=sys.stderr, flush=True)
         os._exit(130)  # no teardown: peers may be gone, and waiting for them would hang

@@ -76,7 +76,7 @@ def _claim(run_dir: Path, resumes: bool) -> str | None:
                 raise
             unsafe = f"flock is not supported there ({errno.errorcode[e.errno]})"
         else:
-            if not resumes and _has_results(run_dir):
+            if not resumes and holds_results(run_dir):
                 os.close(fd)
                 return _not_empty(run_dir)
             (run_dir / OWNER_FILE).write_text(_owner_line())
@@ -109,7 +109,7 @@ def _claim_with_file(run_dir: Path, resumes: bool) -> str | None:
             return _in_use(run_dir, _owner(run_dir))
     finally:
         draft.unlink(missing_ok=True)
-    if not resumes and _has_results(run_dir):
+    if not resumes and holds_results(run_dir):
         _release(lock, mine)
         return _not_empty(run_dir)
     _held.append((lock, mine))
@@ -216,8 +216,12 @@ def _owner(run_dir: Path) -> str:
         return ""
 
 
-def _has_results(run_dir: Path) -> bool:
-    return any(not p.name.startswith(OWNER_FILE) for p in run_dir.iterdir())
+def holds_results(run_dir: Path) -> bool:
+    """Whether `run_dir` holds anything a run made: its lock files and empty files (the
+    metrics file of a run stopped before its first logged step) do not count."""
+    return run_dir.is_dir() and any(
+        not p.name.startswith(OWNER_FILE) and not (p.is_file() and p.stat().st_size == 0)
+        for p in run_dir.iterdir())
 
 
 def _in_use(run_dir: Path, owner: str) -> str:

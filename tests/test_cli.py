@@ -133,11 +133,24 @@ def test_existing_run_folder_is_never_overwritten(tmp_path, capsys):
     parse(tmp_path, "--experiment-name", "exp")     # empty folder: fine
     (run_dir / ".owner").write_text("pid 1")
     parse(tmp_path, "--experiment-name", "exp")     # only a lock file: still empty
+    (run_dir / "metrics.jsonl").write_text("")      # a run stopped before its first log line
+    parse(tmp_path, "--experiment-name", "exp")     # made nothing: reused
+    (run_dir / "metrics.jsonl").write_text('{"step": 10}\n')
+    assert "already exists and is not empty" in refusal(capsys, tmp_path, "--experiment-name", "exp")
+    (run_dir / "metrics.jsonl").unlink()
     (run_dir / "summary.json").write_text("{}")
     assert "already exists and is not empty" in refusal(capsys, tmp_path, "--experiment-name", "exp")
     # a resuming run (chapter 04) may reuse its own folder
     parse(tmp_path, "--experiment-name", "exp", resumes=True)
     assert (run_dir / "summary.json").read_text() == "{}"
+
+
+def test_a_run_folder_that_is_a_file_or_a_save_dir_that_takes_no_file(tmp_path, capsys):
+    (tmp_path / "exp").write_text("mine")
+    assert "run folder" in refusal(capsys, tmp_path, "--experiment-name", "exp") and \
+        (tmp_path / "exp").read_text() == "mine"
+    message = refusal(capsys, tmp_path, "--save-dir", "/proc/guide-runs")
+    assert message.startswith("error: --save-dir '/proc/guide-runs': cannot write in '/proc'"), message
 
 
 def test_save_dir_that_is_a_file(tmp_path, capsys):
