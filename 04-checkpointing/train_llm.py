@@ -12,7 +12,6 @@ preemption.py (a signal turned into one step every rank stops at).
 
 import itertools
 import json
-import math
 import os
 import random
 import sys
@@ -324,10 +323,11 @@ def main():
         stop.leave(step, path)
 
     # ---- validation, sample, weights, summary --------------------------------------
-    # Every rank evaluates its share of the validation batches on the bare module (a DDP
-    # forward would prepare a gradient reduction); the replicas are identical.
+    # Every rank evaluates its share of the --val-batches batches (rank r: batches r,
+    # r + world_size, ...) on the bare module (a DDP forward would prepare a gradient
+    # reduction); the replicas are identical.
     val_loss, val_batches = evaluate(raw_model, val_loader, data, device, autocast,
-                                     math.ceil(args.val_batches / world_size))
+                                     len(range(rank, args.val_batches, world_size)))
     log.info("validation loss %s over %d batches",
              f"{val_loss:.4f}" if val_loss is not None else "n/a", val_batches)
     log.info("sample:\n%s", sample(raw_model, data, device, autocast, args.seed))

@@ -119,9 +119,10 @@ def _stdlib_corpus() -> Corpus:
 
 
 def looks_local(name: str) -> bool:
-    """A path or glob rather than a hub id (hub ids are `owner/name` or `name`)."""
-    return (os.path.exists(name) or any(c in name for c in "*?[")
-            or name.startswith((".", "/", "~")) or name.endswith(LOCAL_SUFFIXES))
+    """A path or glob rather than a hub id (hub ids are `owner/name` or `name`: one slash
+    at most, none at the end)."""
+    return (os.path.exists(name) or any(c in name for c in "*?[") or name.count("/") > 1
+            or name.startswith((".", "/", "~")) or name.endswith((*LOCAL_SUFFIXES, "/")))
 
 
 def local_files(name: str) -> list[str]:
@@ -193,8 +194,8 @@ def _hub_corpus(name: str, subset: str | None, text_column: str) -> Corpus:
     offline = os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1"
     # Fail at once rather than after the hub client's retries.
     if not offline and not hub_reachable():
-        raise DataError(f"cannot reach the Hugging Face hub to load {name!r}; use "
-                        f"--dataset-name stdlib or a local path (or HF_HUB_OFFLINE=1 "
+        raise DataError(f"cannot reach the Hugging Face hub to load {name!r} (nor is it a local "
+                        f"path here); use --dataset-name stdlib or a local path (or HF_HUB_OFFLINE=1 "
                         f"if it is already in your cache)")
     try:
         ds = datasets.load_dataset(name, subset, split="train")

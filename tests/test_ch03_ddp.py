@@ -181,21 +181,20 @@ def test_missing_baseline_file_is_refused(tmp_path, monkeypatch, capsys):
 
 
 def test_slurm_script_is_valid_bash_and_launches_what_the_readme_says(tmp_path):
-    """`bash -n`, then a dry run with stand-ins for scontrol, getent, hostname and srun
-    (srun runs its command, torchrun prints what it was given): one srun per node with the
-    CPUs passed on, the rendezvous at the first node's address on a port of the job's
-    own, each node's own address as --local-addr, and an early SIGTERM for chapter 04."""
+    """`bash -n`, then a dry run with stand-ins for getent, hostname and srun (srun runs
+    its command as node 0, then as node 1; torchrun prints what it was given): one srun
+    with the CPUs passed on, the rendezvous at the first node's own interface address
+    (its host name resolves to a loopback address here) on a port of the job's own, each
+    node's own address as --local-addr, is_host=1 on the first node only, and an early
+    SIGTERM."""
     script = REPO / "03-ddp" / "slurm_ddp.sbatch"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     assert "#SBATCH --signal=TERM@120" in script.read_text()
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    # scontrol writes its second line late: a reader that leaves after the first line
-    # (head) would kill it with SIGPIPE, which pipefail turns into a failed job
-    stand_ins = {"scontrol": "echo node-a; sleep 0.3; echo node-b",
-                 "getent": 'test "$2" = node-a && echo "10.0.0.1 STREAM node-a"',
-                 "hostname": 'test "$1" = -I && echo "10.0.0.2 172.17.0.1"',
-                 "srun": 'echo "srun $1"; shift; exec "$@"',
+    stand_ins = {"getent": 'echo "127.0.1.1 STREAM $2"',
+                 "hostname": 'test "$1" = -I && echo "${NODE_ADDR:-10.0.0.1} 172.17.0.1"',
+                 "srun": 'echo "srun $1"; shift\nfor n in 0 1; do SLURM_NODEID=$n NODE_ADDR=10.0.0.$((n + 1)) "$@"; done',
                  "torchrun": 'echo "torchrun $*"'}
     for name, body in stand_ins.items():
         (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
@@ -205,9 +204,11 @@ def test_slurm_script_is_valid_bash_and_launches_what_the_readme_says(tmp_path):
     out = subprocess.run(["bash", str(script)], cwd=REPO, env=env, capture_output=True,
                          text=True, check=True).stdout.splitlines()
     assert out[0] == "srun --cpus-per-task=32"
-    assert out[1].startswith("torchrun --nnodes=2 --nproc-per-node=8 --rdzv-id=123456 "
-                             "--rdzv-backend=c10d --rdzv-endpoint=10.0.0.1:23456 "
-                             "--local-addr=10.0.0.2 03-ddp/train_llm.py --experiment-name ddp-123456")
+    common = ("torchrun --nnodes=2 --nproc-per-node=8 --rdzv-id=123456 --rdzv-backend=c10d "
+              "--rdzv-endpoint=10.0.0.1:23456 ")
+    assert out[1].startswith(common + "--local-addr=10.0.0.1 --rdzv-conf=is_host=1 03-ddp/train_llm.py "
+                             "--experiment-name ddp-123456")
+    assert out[2].startswith(common + "--local-addr=10.0.0.2 03-ddp/train_llm.py --experiment-name ddp-123456")
 
 
 DYNAMO_PROBE = """

@@ -61,6 +61,7 @@ def test_on_3_ranks_a_restart_continues_exactly_too(tmp_path):
     proc = train(tmp_path / "restarted", "--crash-at-step", CRASH, restarts=1, nproc=3)
     assert f"resumed from {tmp_path / 'restarted' / NAME / 'checkpoints' / step_dir(6)}: step 6" in proc.stdout
     assert_same_as_uninterrupted(tmp_path / "restarted" / NAME, tmp_path / "whole" / NAME)
+    assert "over 2 batches" in proc.stdout  # --val-batches 2 in all, not one per rank
 
 
 def test_rerun_after_sigkill_of_the_whole_job_continues_exactly(tmp_path, uninterrupted):

@@ -125,6 +125,9 @@ def test_missing_local_dataset_and_tokenizer(tmp_path, capsys):
     assert "does not exist" in refusal(capsys, tmp_path, "--dataset-name",
                                        str(tmp_path / "nowhere" / "*.txt"))
     assert "does not exist" in refusal(capsys, tmp_path, "--tokenizer", str(tmp_path / "tok.json"))
+    # a mistyped folder is a path, not a hub id (`owner/name`): refused at parse time
+    for name in ("my_corpus/", "data/my/corpus"):
+        assert f"local dataset {name!r} does not exist" in refusal(capsys, tmp_path, "--dataset-name", name)
 
 
 def test_existing_run_folder_is_never_overwritten(tmp_path, capsys):
