@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 # Runnable from the repo root or from inside this folder, installed or not.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.cli import base_parser, cuda_device_ids, positive_int, setup_logging  # noqa: E402
+from common.cli import base_parser, cuda_device_ids, no_compile_under_data_parallel, positive_int, setup_logging  # noqa: E402
 from common.data import IGNORE_INDEX, build_datasets, check_enough_samples, dataset_info, local_rank0_first  # noqa: E402
 from common.environment import environment_info, exit_with_launcher, set_tf32, share_cpu_threads  # noqa: E402
 from common.errors import run_main  # noqa: E402
@@ -39,11 +39,12 @@ def parse_args(argv=None):
     parser = base_parser(CHAPTER, "Chapter 02: nn.DataParallel over the visible GPUs.")
     parser.add_argument("--device-ids", type=cuda_device_ids, default=None,
                         help="comma-separated GPU indices for DataParallel; the first gathers "
-                             "the outputs (default: every visible GPU)")
+                             "the outputs (default: every visible GPU, --device's first)")
     parser.add_argument("--loss-in-module", action="store_true",
                         help="compute the loss in each replica: GPU 0 gathers one number per GPU")
     parser.add_argument("--grad-accum", type=positive_int, default=1,
                         help="micro-batches per optimizer step (a larger batch in less memory)")
+    parser.checks.append(no_compile_under_data_parallel)  # one graph, but DP copies the module each step
     return parser.parse_args(argv)
 
 
@@ -57,7 +58,8 @@ def setup(args):
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda:0")  # a plain "cuda": the first visible GPU
     # DataParallel's first device holds the master copy and gathers the outputs
-    device_ids = list(args.device_ids or range(torch.cuda.device_count())) if device.type == "cuda" else []
+    others = [i for i in range(torch.cuda.device_count()) if i != device.index]
+    device_ids = list(args.device_ids or [device.index, *others]) if device.type == "cuda" else []
     device = torch.device("cuda", device_ids[0]) if device_ids else device
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -154,7 +156,6 @@ def main():
     total_steps = args.max_steps or args.num_epochs * steps_per_epoch
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup_steps, total_steps))
     # --compile: model and loss as one graph (under DDP, chapter 03 compiles the module)
-    args.compile = args.compile and len(device_ids) < 2  # not under DataParallel; the summary says so
     loss_fn = torch.compile(compute_loss) if args.compile else compute_loss
     global_batch = args.batch_size * args.grad_accum
     tokens_per_step = global_batch * args.seq_length  # processed, padding included

@@ -386,6 +386,16 @@ def cuda_device_ids(text: str) -> list[int]:
     return ids
 
 
+def no_compile_under_data_parallel(args) -> None:
+    """Chapter 02: --compile where DataParallel runs (2+ GPUs) is refused, not dropped in
+    silence: DataParallel copies the module to its GPUs every step. Raises UsageError."""
+    cuda = torch.cuda.is_available() and not args.device.startswith(("cpu", "mps"))
+    gpus = len(args.device_ids or range(torch.cuda.device_count())) if cuda else 0
+    if args.compile and gpus >= 2:
+        raise UsageError(f"--compile does not apply under nn.DataParallel ({gpus} GPUs): drop it, or "
+                         f"train on one GPU (--device-ids 0); chapter 03 compiles under DDP")
+
+
 def checkpoint_folder(text: str) -> str:
     """--resume-from: a chapter 04 checkpoint folder (it holds manifest.json). Checked where
     and when it is read: by rank 0 (the other machines may not share its disk; rank 0's

@@ -72,6 +72,21 @@ def test_device_ids_without_gpus_are_refused(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_compile_where_data_parallel_runs_is_refused_not_dropped(tmp_path, monkeypatch, capsys):
+    """On a machine with 2 GPUs (as torch.cuda reports them here) --compile is refused,
+    before any work; on one GPU or the CPU, where the plain module trains, it is taken."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    parse = load_script(SCRIPT).parse_args
+    base = [*TINY, "--save-dir", tmp_path / "out", "--compile"]
+    line = refused(capsys, parse, base)
+    assert line == ("error: --compile does not apply under nn.DataParallel (2 GPUs): drop it, or train "
+                    "on one GPU (--device-ids 0); chapter 03 compiles under DDP")
+    assert parse([*map(str, base), "--device-ids", "0"]).compile
+    assert parse([*map(str, base), "--device", "cpu"]).compile
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_replica_computes_in_the_chosen_dtype_in_a_fresh_thread():
     """DataParallel runs each replica in a new thread and re-enters autocast there with the
     on/off flag only (parallel_apply), so the thread gets autocast's default dtype. The
