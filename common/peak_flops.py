@@ -122,7 +122,15 @@ def measure_matmul_peak(device: torch.device | str, precision: str) -> float:
     device = torch.device(device)
     sizes = (1024, 2048, 4096, 8192) if device.type == "cuda" else (512, 1024, 2048)
     if device.type != "cuda":
-        return max(best_matmul_flops(n, device, precision) for n in sizes)
+        # Sizes up while one matmul takes under a second: a CPU without bf16 instructions
+        # emulates them at well under a GFLOP/s, where 2048 would take minutes, not a second.
+        best = 0.0
+        for n in sizes:
+            flops = best_matmul_flops(n, device, precision)
+            best = max(best, flops)
+            if 2 * n**3 / flops > 1.0:
+                break
+        return best
     tf32 = tf32_enabled()
     try:
         set_tf32(precision == "tf32")  # what an fp32 matmul computes in, on CUDA

@@ -219,3 +219,20 @@ def test_an_unknown_device_is_one_line(capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--device" in err and "tpu" in err, err
+
+
+def test_a_cpu_measurement_stops_growing_once_one_matmul_takes_a_second(monkeypatch):
+    """bf16 on a CPU without bf16 instructions: about 1 GFLOP/s, so a 1024 matmul takes
+    2 s and a 2048 one would take 17 s per call; the sizes stop at the first that took
+    over a second (the best of those measured is the peak)."""
+    seen = []
+
+    def emulated(n, device, precision):
+        seen.append(n)
+        return 1e9 if n >= 1024 else 0.8e9
+
+    monkeypatch.setattr(peak, "best_matmul_flops", emulated)
+    assert peak.measure_matmul_peak("cpu", "bf16") == 1e9 and seen == [512, 1024]
+    seen.clear()
+    monkeypatch.setattr(peak, "best_matmul_flops", lambda n, device, precision: seen.append(n) or 1e11)
+    assert peak.measure_matmul_peak("cpu", "fp32") == 1e11 and seen == [512, 1024, 2048]
