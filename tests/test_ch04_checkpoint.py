@@ -296,6 +296,12 @@ def two_ranks(root):
         except RuntimeError:
             crashes.append(True)
     result["crashes"] = crashes
+    # a rerun of a finished job: only rank 0's machine holds its summary
+    if rank == 0:
+        (root / "summary.json").write_text("{}")
+    dist.barrier()
+    here = root if rank == 0 else root / "not-on-this-machine"
+    result["finished"] = [ch04.finished_before(here, 5, 5, rank), ch04.finished_before(here, 4, 5, rank)]
     (root / f"rank-{rank}.json").write_text(json.dumps({"result": result, "votes": votes}))
     dist.destroy_process_group()
 
@@ -367,6 +373,13 @@ def test_the_injected_crash_happens_once_on_the_last_rank_without_a_shared_disk(
     results, root = spawned
     assert results[1]["crashes"] == [True, False] and results[0]["crashes"] == [False, False]
     assert (root / "crash-injected-at-step-5").exists() and not (root / "not-on-this-machine").exists()
+
+
+def test_a_finished_run_is_recognised_by_every_rank_from_rank_0s_disk(spawned):
+    """Rerunning a finished job: every rank returns at once, not rank 0 alone (the others
+    would go on to validate and wait for it in a collective)."""
+    results, _ = spawned
+    assert results[0]["finished"] == results[1]["finished"] == [True, False]
 
 
 def test_the_stop_vote_never_blocks_a_step_and_every_rank_stops_at_the_same_one(spawned):
