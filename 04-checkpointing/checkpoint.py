@@ -284,12 +284,13 @@ def load_latest(candidates: list[Path], train_state: TrainState, settings: dict,
             except Exception as e:  # truncated, corrupted, another format, a crafted pickle
                 error = one_line(e)
                 log.warning("checkpoint %s cannot be used (%s); trying the one before", candidate, error)
-    # every rank learns what rank 0 found (only rank 0 knows whether it had candidates),
-    # and stops with it or receives the state
-    found = [str(path) if path else None, mismatch, error, str(Path(candidates[0]).parent) if candidates else None]
+    # every rank learns what rank 0 found (only rank 0 knows whether it had candidates, and
+    # only its disk says where a link leads), and stops with it or receives the state
+    found = [str(path) if path else None, mismatch, error,
+             str(Path(candidates[0]).parent) if candidates else None, roll_back]
     if dist.is_initialized():
         dist.broadcast_object_list(found, src=0, group=waiting)
-    path, mismatch, error, tried = Path(found[0]) if found[0] else None, found[1], found[2], found[3]
+    path, mismatch, error, tried, roll_back = Path(found[0]) if found[0] else None, *found[1:]
     if mismatch:
         fail(mismatch)
     if tried and path is None:

@@ -147,7 +147,7 @@ def resume(args, run_dir, train_state, rank, settings, log):
     if path:
         log.info("resumed from %s: step %d, epoch %d, %d steps into it", path, train_state.step,
                  train_state.epoch, train_state.step_in_epoch)
-    elif first_attempt and rank == 0 and (archive := archive_run(run_dir)):
+    elif rank == 0 and (archive := archive_run(run_dir, keep="crash-injected-at-step-*")):
         # nothing to resume, yet earlier files (another chapter's run of this name, a job
         # killed before its first checkpoint): kept aside, never overwritten
         log.warning("no checkpoint to resume from in %s: its earlier files moved to %s", run_dir, archive)
@@ -323,9 +323,9 @@ def main():
         stop.leave(step, path)
 
     # ---- validation, sample, weights, summary --------------------------------------
-    # Every rank evaluates its share of the --val-batches batches (rank r: batches r,
-    # r + world_size, ...) on the bare module (a DDP forward would prepare a gradient
-    # reduction); the replicas are identical.
+    # Every rank evaluates its share of the --val-batches batches (that many in all, of
+    # its own samples r, r + world_size, ...) on the bare module (a DDP forward would
+    # prepare a gradient reduction); the replicas are identical.
     val_loss, val_batches = evaluate(raw_model, val_loader, data, device, autocast,
                                      len(range(rank, args.val_batches, world_size)))
     log.info("validation loss %s over %d batches",

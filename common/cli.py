@@ -283,8 +283,12 @@ def check_writable_folder(path: str | os.PathLike, flag: str) -> None:
         raise UsageError(f"{flag} {str(path)!r}: {str(existing)!r} is a file, not a folder")
     try:
         fd, probe = tempfile.mkstemp(dir=existing, prefix=".write-test-")
-        os.close(fd)
-        os.unlink(probe)
+        try:  # a byte forced to disk: a full file system refuses it (an empty file it takes)
+            os.write(fd, b"\0")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            os.unlink(probe)
     except OSError as e:
         raise UsageError(f"{flag} {str(path)!r}: cannot write in {str(existing)!r} "
                          f"({e.strerror or e})") from None

@@ -237,11 +237,12 @@ def _not_empty(run_dir: Path) -> str:
 atexit.register(release_run_folders)
 
 
-def archive_run(run_dir: Path) -> Path | None:
-    """Move everything but earlier archives into a new `archive-<time>` folder inside
-    `run_dir`; returns it (None if there was nothing to move)."""
+def archive_run(run_dir: Path, keep: str | None = None) -> Path | None:
+    """Move everything but earlier archives (and names matching the glob `keep`) into a
+    new `archive-<time>` folder inside `run_dir`; returns it (None if nothing moved)."""
     items = [p for p in Path(run_dir).iterdir()
-             if not p.name.startswith("archive-") and p.name != OWNER_FILE]
+             if not p.name.startswith("archive-") and p.name != OWNER_FILE
+             and not (keep and p.match(keep))]
     if not items:
         return None
     archive = Path(run_dir) / f"archive-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -276,9 +276,14 @@ def two_ranks(root):
     result = {"path": str(got), "equal": same_tensors(fresh, saved), "step": fresh.step,
               "scheduler": fresh.scheduler.state_dict() == saved.scheduler.state_dict(),
               "draws": torch.equal(torch.rand(2), draws_after_save),
-              "objects": sent["objects"], "tensors": sent["tensors"],
+              "objects": list(sent["objects"]), "tensors": sent["tensors"],
               "n_tensors": len(list(saved.tensors())), "warnings": log.lines,
               "state_bytes": (path / "state.pt").stat().st_size}
+    # --resume-from through a link only rank 0's machine can follow: rank 0's view of
+    # whether it is a rollback (one more collective) is every rank's
+    again = checkpoint.load_latest([path], train_state(rank + 30, width=2048), SETTINGS, rank=rank,
+                                   log=Log(), roll_back=rank == 0)
+    result["rolled back"] = str(again)
     votes = stop_votes(rank)
     # only rank 0 has candidates, and none loads: every rank must stop, not rank 0 alone
     try:
@@ -358,6 +363,15 @@ def test_rank_0_reads_and_every_rank_receives_each_tensor_in_place(spawned):
         assert r["tensors"] == r["n_tensors"]
         assert sum(r["objects"]) < r["state_bytes"] / 10, (r["objects"], r["state_bytes"])
     assert "step-99 cannot be used" in results[0]["warnings"][0]
+
+
+def test_a_rollback_is_rank_0s_decision(spawned):
+    """Whether --resume-from is a rollback of this run is rank 0's to say (its disk
+    resolves the link); every rank then joins the commit's collective, so the vote that
+    follows (the next collectives) still pairs up."""
+    results, root = spawned
+    assert results[0]["rolled back"] == results[1]["rolled back"] == str(root / "step-00000003")
+    assert (root / "latest").read_text() == "step-00000003"
 
 
 def test_when_no_candidate_loads_every_rank_stops_not_rank_0_alone(spawned):

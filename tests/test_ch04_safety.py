@@ -171,6 +171,17 @@ def test_a_folder_of_another_chapters_run_is_archived_not_overwritten(tmp_path, 
     assert_same_as_uninterrupted(run_dir, uninterrupted[1])
 
 
+def test_a_crash_before_the_first_checkpoint_is_archived_and_not_injected_again(tmp_path):
+    """The injected crash comes before any checkpoint: the same command again archives the
+    first attempt's files but keeps the crash's marker, so it trains through to the end."""
+    run_dir = tmp_path / NAME
+    assert train(tmp_path, "--crash-at-step", 2, "--ckpt-freq", 0, check=False).returncode != 0
+    train(tmp_path, "--crash-at-step", 2, "--ckpt-freq", 0)
+    [archive] = run_dir.glob("archive-*")
+    assert (archive / "metrics.jsonl").exists() and (run_dir / "crash-injected-at-step-2").exists()
+    assert read_json(run_dir / "summary.json")["final_loss"] is not None
+
+
 def test_without_a_latest_pointer_the_rerun_resumes_from_the_newest_checkpoint(tmp_path, crashed, uninterrupted):
     run_dir = copy_run(crashed[1], tmp_path)
     (run_dir / "checkpoints" / "latest").unlink()
