@@ -13,8 +13,7 @@ import pytest
 import torch
 from torch.distributed import DistError
 
-from common import cli
-from common.cli import base_parser, check_args, script_parser
+from common.cli import base_parser, check_args, checkpoint_folder, script_parser
 from common.distributed import BACKEND_ENV, backend_for, gpu_sharing_error
 from common.errors import UsageError, fail, run_main
 from conftest import REPO, TINY, load_script, refused
@@ -370,6 +369,6 @@ def test_resume_from_is_checked_where_and_when_it_is_read(tmp_path, monkeypatch,
     missing = str(tmp_path / "step-00000003")
     if refused:
         with pytest.raises(argparse.ArgumentTypeError, match="is not a checkpoint folder"):
-            cli.checkpoint_folder(missing)
+            checkpoint_folder(missing)
     else:
-        assert cli.checkpoint_folder(missing) == missing
+        assert checkpoint_folder(missing) == missing
