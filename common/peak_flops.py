@@ -120,10 +120,11 @@ def measure_matmul_peak(device: torch.device | str, precision: str) -> float:
     """The device's dense matmul peak in `precision`, measured: the best over a few
     sizes (small ones fit caches, large ones amortise overheads; the best wins)."""
     device = torch.device(device)
-    sizes = (1024, 2048, 4096, 8192) if device.type == "cuda" else (512, 1024, 2048)
+    sizes = (1024, 2048, 4096, 8192) if device.type == "cuda" else (128, 256, 512, 1024, 2048)
     if device.type != "cuda":
-        # Sizes up while one matmul takes under a second: a CPU without bf16 instructions
-        # emulates them at well under a GFLOP/s, where 2048 would take minutes, not a second.
+        # From small sizes up, while one matmul takes under a second: a CPU without bf16
+        # instructions emulates them, fastest on small matrices (3.1 GFLOP/s at 128, 0.5 at
+        # 1024 on an AVX2 CPU), where 2048 would take minutes, not a second.
         best = 0.0
         for n in sizes:
             flops = best_matmul_flops(n, device, precision)
@@ -216,6 +217,20 @@ def device_peak(device: torch.device | str, dtype: str, *,
     if flops is not None:
         return Peak(flops, precision, "datasheet")
     return Peak(measured_peak(device, precision, cache_dir=cache_dir), precision, "measured")
+
+
+def slower_than_fp32_note(device: torch.device | str, peak: Peak,
+                          cache_dir: str | Path | None = None) -> str | None:
+    """A note when a CPU's measured bf16 matmul peak is below its fp32 one: without bf16
+    instructions it emulates them, and `--dtype fp32` trains faster there."""
+    device = torch.device(device)
+    if device.type != "cpu" or peak.precision != "bf16" or peak.source != "measured":
+        return None
+    fp32 = measured_peak(device, "fp32", cache_dir=cache_dir)
+    if fp32 <= peak.flops:
+        return None
+    return (f"bf16 matmuls on this CPU reach {format_flops(peak.flops)} against fp32's "
+            f"{format_flops(fp32)} (no bf16 instructions: emulated); --dtype fp32 trains faster here")
 
 
 def implausible_mfu_note(mfu: float, peak: Peak) -> str | None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from .environment import device_name, launcher, peak_memory_mb
-from .peak_flops import device_peak, implausible_mfu_note, peak_label
+from .peak_flops import device_peak, implausible_mfu_note, peak_label, slower_than_fp32_note
 from .tables import format_flops, markdown_table
 from .timing import PHASES, StepStats
 
@@ -67,9 +67,9 @@ def build_summary(*, chapter: str, args, world_size: int, device, dtype: str,
         "args": {k: v for k, v in vars(args).items()},
     }
     summary.update(extra or {})
-    note = implausible_mfu_note(summary["mfu"], peak)
-    if note:
-        summary["notes"] = [*summary.get("notes", []), note]
+    for note in (implausible_mfu_note(summary["mfu"], peak), slower_than_fp32_note(device, peak)):
+        if note:
+            summary["notes"] = [*summary.get("notes", []), note]
     return summary
 
 

@@ -255,6 +255,13 @@ def test_build_summary_measures_the_peak_of_a_cpu():
     assert s["peak_flops"] > 1e8 and 0 < s["mfu"] == pytest.approx(512.0 * 2e7 / s["peak_flops"])
 
 
+def test_build_summary_notes_a_cpu_that_emulates_bf16(monkeypatch):
+    monkeypatch.setattr("common.peak_flops.measured_peak", lambda device, precision, **kw: 173e9)
+    s = summary_for(peak=Peak(3e9, "bf16", "measured"), dtype="bf16")
+    assert any("emulated" in note and "--dtype fp32" in note for note in s["notes"]), s["notes"]
+    assert "notes" not in summary_for(peak=Peak(95e9, "fp32", "measured"))
+
+
 @pytest.mark.parametrize("name, dtype, peak", [
     ("NVIDIA H100 80GB HBM3", "bf16", 989e12),
     ("NVIDIA H200 NVL", "bf16", 835e12),

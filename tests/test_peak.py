@@ -221,18 +221,45 @@ def test_an_unknown_device_is_one_line(capsys):
     assert err.count("\n") == 1 and "--device" in err and "tpu" in err, err
 
 
-def test_a_cpu_measurement_stops_growing_once_one_matmul_takes_a_second(monkeypatch):
-    """bf16 on a CPU without bf16 instructions: about 1 GFLOP/s, so a 1024 matmul takes
-    2 s and a 2048 one would take 17 s per call; the sizes stop at the first that took
-    over a second (the best of those measured is the peak)."""
+def test_a_cpu_measurement_starts_small_and_stops_once_one_matmul_takes_a_second(monkeypatch):
+    """bf16 on a CPU without bf16 instructions is emulated: fastest on small matrices (a
+    few GFLOP/s at 128, where the model's own matmuls are), about 0.5 GFLOP/s at 1024, so
+    a 1024 matmul takes 4 s and a 2048 one would take half a minute per call; the sizes
+    stop at the first that took over a second, and the best of those measured is the peak."""
     seen = []
 
     def emulated(n, device, precision):
         seen.append(n)
-        return 1e9 if n >= 1024 else 0.8e9
+        return 3e9 * 128 / n
 
     monkeypatch.setattr(peak, "best_matmul_flops", emulated)
-    assert peak.measure_matmul_peak("cpu", "bf16") == 1e9 and seen == [512, 1024]
+    assert peak.measure_matmul_peak("cpu", "bf16") == 3e9 and seen == [128, 256, 512, 1024]
     seen.clear()
     monkeypatch.setattr(peak, "best_matmul_flops", lambda n, device, precision: seen.append(n) or 1e11)
-    assert peak.measure_matmul_peak("cpu", "fp32") == 1e11 and seen == [512, 1024, 2048]
+    assert peak.measure_matmul_peak("cpu", "fp32") == 1e11 and seen == [128, 256, 512, 1024, 2048]
+
+
+@pytest.mark.parametrize("bf16, fp32, device, noted", [
+    (3e9, 173e9, "cpu", True),         # AVX2: bf16 emulated, far below fp32
+    (400e9, 173e9, "cpu", False),      # a CPU with bf16 instructions (AMX): faster
+])
+def test_a_cpu_whose_bf16_matmuls_are_slower_than_fp32_says_so(monkeypatch, tmp_path, bf16, fp32,
+                                                               device, noted):
+    monkeypatch.setattr(peak, "machine_load", lambda: (0.5, 2))
+    monkeypatch.setattr(peak, "measure_matmul_peak", lambda d, p: {"bf16": bf16, "fp32": fp32}[p])
+    note = peak.slower_than_fp32_note(device, device_peak(device, "bf16", cache_dir=tmp_path),
+                                      cache_dir=tmp_path)
+    if noted:
+        assert "3 GFLOP/s" in note and "173 GFLOP/s" in note and "--dtype fp32" in note, note
+    else:
+        assert note is None
+    # never for an fp32 run, nor for a datasheet peak (a GPU's)
+    assert peak.slower_than_fp32_note("cpu", peak.Peak(1e9, "fp32", "measured")) is None
+    assert peak.slower_than_fp32_note("cpu", peak.Peak(1e9, "bf16", "datasheet")) is None
+
+
+def test_implausible_mfu_note_asks_for_a_remeasure_only_of_a_measured_peak():
+    assert peak.implausible_mfu_note(0.99, peak.Peak(1e9, "fp32", "measured")) is None
+    note = peak.implausible_mfu_note(1.2, peak.Peak(1e9, "fp32", "measured"))
+    assert "1 GFLOP/s" in note and "--remeasure" in note, note
+    assert "--remeasure" not in peak.implausible_mfu_note(1.2, peak.Peak(989e12, "bf16", "datasheet"))
