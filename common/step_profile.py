@@ -58,6 +58,11 @@ def work_by_name(events, cuda: bool) -> dict[str, list]:
     launched_in_optimizer: dict[str, int] = {}
     for e in events:
         if cuda and e.device_type == DeviceType.CUDA:
+            # A record_function range shows on the device too (a "gpu_user_annotation" as
+            # long as the kernels it launched): no work of its own, and counted it would
+            # count those kernels twice (the optimizer range, torch.compile's regions).
+            if getattr(e, "is_user_annotation", False):
+                continue
             entry = work.setdefault(e.name, [0, 0.0, 0.0])
             entry[0] += 1
             entry[1] += e.device_time_total / 1e6

@@ -58,6 +58,20 @@ def test_on_cuda_kernel_time_is_the_devices_and_the_optimizers_share_comes_from_
                     "adam_k": [1, 50e-6, 50e-6], "triton_poi_fused_add_0": [1, 20e-6, 0.0]}
 
 
+def test_on_cuda_record_function_ranges_on_the_device_are_no_kernels():
+    """With CUDA activity, each record_function range that launched kernels shows on the
+    device as well (kineto's gpu_user_annotation, device type CUDA), spanning them: the
+    bench's optimizer range, torch.optim's own, torch.compile's regions. Counted, the
+    optimizer's kernels would count twice and a compiled forward once more as "other"."""
+    def annotation(name, us):
+        return SimpleNamespace(name=name, device_type=DeviceType.CUDA, device_time_total=us,
+                               is_user_annotation=True)
+    events = [cpu_op("aten::_fused_adamw_", cpu_op(OPTIMIZER), ["adam_k"]), kernel("adam_k", 50.0),
+              kernel("triton_poi_fused_add_0", 20.0), annotation(OPTIMIZER, 60.0),
+              annotation("Optimizer.step#AdamW.step", 55.0), annotation("Torch-Compiled Region: 0/0", 400.0)]
+    assert work_by_name(events, cuda=True) == {"adam_k": [1, 50e-6, 50e-6], "triton_poi_fused_add_0": [1, 20e-6, 0.0]}
+
+
 def test_profiled_cpu_step_splits_into_kinds_that_cover_the_step(tmp_path, capsys):
     """bench_model --profile on a CPU: each mode's training step (not the forward+backward
     rows) says where its time went; the kinds and the idle time cover the step, each kind
