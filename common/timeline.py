@@ -108,8 +108,9 @@ def read_step(trace: dict, rank: int = 0) -> RankStep:
 
     Collectives, as the profiler records them: on CPUs, gloo runs each collective on one
     of its own threads ("pt_gloo_runloop") inside a `gloo:<name>` range, from the moment
-    the thread starts it (it may first wait for the other ranks) until it completes; on
-    GPUs, nccl runs each as a kernel on its own stream. Computation: ATen operators on
+    the thread starts it (it may first wait for the other ranks) until it completes (so
+    on GPUs too, with LLM_GUIDE_BACKEND=gloo); on GPUs, nccl runs each as a kernel on its
+    own stream. Computation: ATen operators on
     any other thread, except those inside a `c10d::` call (a collective's own copies);
     on GPUs, the kernels that are not nccl's. Each is charged to the phase it started in
     (a GPU kernel: the phase that launched it)."""
@@ -124,6 +125,7 @@ def read_step(trace: dict, rank: int = 0) -> RankStep:
     phases = sorted(((e["name"], ms(e["ts"]), ms(_end(e))) for e in in_step
                      if e.get("cat") == "user_annotation" and e["name"] in PHASES), key=lambda p: p[1])
     kernels = [e for e in events if e.get("cat") == "kernel"]
+    comm_threads = {e["tid"] for e in events if e["name"].startswith("gloo:")}
     compute: dict[str, list[Interval]] = {}
     if kernels:  # CUDA: nccl kernels vs the rest, each charged to the phase that launched it
         launched = {e["args"]["correlation"]: e["ts"] for e in events
@@ -137,10 +139,7 @@ def read_step(trace: dict, rank: int = 0) -> RankStep:
                 collectives.append((collective_name(k["name"]), ms(k["ts"]), ms(_end(k))))
             else:
                 ops.append((_phase_at(ms(launch), phases), ms(k["ts"]), ms(_end(k))))
-    else:  # CPU: gloo's ranges on its threads vs ATen operators on the others
-        comm_threads = {e["tid"] for e in events if e["name"].startswith("gloo:")}
-        collectives = [(collective_name(e["name"]), ms(e["ts"]), ms(_end(e))) for e in in_step
-                       if e["name"].startswith("gloo:")]
+    else:  # CPU: ATen operators on the threads that are not gloo's
         c10d = {}
         for e in in_step:
             if e["name"].startswith("c10d::"):
@@ -148,6 +147,9 @@ def read_step(trace: dict, rank: int = 0) -> RankStep:
         ops = [(_phase_at(ms(e["ts"]), phases), ms(e["ts"]), ms(_end(e))) for e in in_step
                if e.get("cat") == "cpu_op" and e["name"].startswith("aten::")
                and e["tid"] not in comm_threads and not _inside(e, c10d.get(e["tid"], []))]
+    if comm_threads:  # gloo, on CPUs or on GPUs (LLM_GUIDE_BACKEND=gloo): its ranges on its threads
+        collectives = [(collective_name(e["name"]), ms(e["ts"]), ms(_end(e))) for e in in_step
+                       if e["name"].startswith("gloo:")]
     for phase in PHASES:
         compute[phase] = union((s, e) for p, s, e in ops if p == phase)
     return RankStep(rank, ms(t1), phases, sorted(collectives, key=lambda c: c[1]), compute)

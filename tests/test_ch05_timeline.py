@@ -110,6 +110,25 @@ def test_reading_a_gpu_trace():
     assert timeline.overlap([step])["overlap_fraction"] == pytest.approx(2 / 3)
 
 
+def test_reading_a_gpu_trace_of_gloo():
+    """Ranks sharing a GPU over gloo (LLM_GUIDE_BACKEND=gloo): the collectives are gloo's
+    ranges on its thread, as on a CPU, though no nccl kernel ran; computation is still
+    the kernels."""
+    trace = {"traceEvents": [
+        x("step", 0, 10000, cat="user_annotation"),
+        x("forward", 0, 3000, cat="user_annotation"),
+        x("backward", 3000, 5000, cat="user_annotation"),
+        x("cudaLaunchKernel", 2900, 10, cat="cuda_runtime", correlation=1),
+        x("cudaLaunchKernel", 3100, 10, cat="cuda_runtime", correlation=2),
+        x("gemm_fwd", 3000, 1000, tid=20, cat="kernel", correlation=1),
+        x("gemm_bwd", 4000, 2000, tid=20, cat="kernel", correlation=2),
+        x("gloo:all_reduce", 5000, 2000, tid=2, cat="user_annotation")]}
+    step = timeline.read_step(trace)
+    assert step.collectives == [("all_reduce", 5.0, 7.0)]
+    assert step.compute["backward"] == [(4.0, 6.0)] and step.compute["forward"] == [(3.0, 4.0)]
+    assert timeline.overlap([step])["overlap_fraction"] == pytest.approx(1 / 2)
+
+
 def test_a_trace_without_the_step_range_is_refused():
     with pytest.raises(ValueError, match="no 'step' range"):
         timeline.read_step({"traceEvents": [x("aten::mm", 0, 10)]})
