@@ -16,6 +16,7 @@ import resource
 import signal
 import socket
 import sys
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -28,9 +29,15 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 def set_tf32(enabled: bool) -> None:
     """Let fp32 matmuls and cuDNN convolutions on CUDA use TF32 tensor cores (10-bit
-    mantissa, several times faster), or not. Through `fp32_precision` (torch 2.9 on): it
-    deprecates the `allow_tf32` flags, and reading one API after writing the other is an
-    error, so this guide reads and writes the new one only."""
+    mantissa, several times faster), or not. Torch 2.9 on has two APIs for it, and reading
+    one that disagrees with the other is an error: written through the new one only
+    (`fp32_precision`), a read of the old `allow_tf32` or `get_float32_matmul_precision()`
+    raises, and torch's own compiler reads the old one in some versions (lowering a
+    `bmm` in 2.10, autotuning in 2.11). So both are written, to the same setting."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the old API's deprecation notice
+        torch.backends.cuda.matmul.allow_tf32 = enabled
+        torch.backends.cudnn.allow_tf32 = enabled
     precision = "tf32" if enabled else "ieee"
     for flags in (torch.backends.cuda.matmul, torch.backends.cudnn.conv, torch.backends.cudnn.rnn):
         flags.fp32_precision = precision

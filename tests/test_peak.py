@@ -48,22 +48,30 @@ def test_datasheet_peak(name, precision, tflops):
 
 
 def test_matmul_precision_follows_dtype_and_tf32_setting():
-    """The TF32 switch and the peak's precision read the same setting, through the API
-    torch 2.9 on has (`fp32_precision`; reading the legacy `allow_tf32` after
-    writing the new API is an error). The attributes exist without
-    CUDA; a fresh interpreter, since the switch is process-wide."""
+    """The TF32 switch and the peak's precision read the same setting. Torch 2.9 on has two
+    APIs for it, and reading one that disagrees with the other raises; `set_tf32` writes
+    both, so every reader (torch's compiler reads the old one in some versions) sees the
+    same setting. The attributes exist without CUDA; a fresh interpreter, since the switch
+    is process-wide."""
     code = """if True:
+        import warnings
+        warnings.simplefilter("error")   # no deprecation notice reaches the reader either
         import torch
         from common.environment import set_tf32, tf32_enabled
         from common.peak_flops import matmul_precision
         assert matmul_precision("cpu", "fp32") == "fp32" and matmul_precision("cuda", "bf16") == "bf16"
+        matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
         seen = []
         for on in (True, False, True):
             set_tf32(on)
             seen.append((tf32_enabled(), matmul_precision("cuda", "fp32"), matmul_precision("cpu", "fp32")))
+            old = (matmul.allow_tf32, torch._C._get_cublas_allow_tf32(), cudnn.allow_tf32,
+                   torch.get_float32_matmul_precision())
+            assert old == (on, on, on, "high" if on else "highest"), old
+            new = [f.fp32_precision for f in (matmul, cudnn.conv, cudnn.rnn)]
+            assert new == ["tf32" if on else "ieee"] * 3, new
         assert seen == [(True, "tf32", "fp32"), (False, "fp32", "fp32"), (True, "tf32", "fp32")], seen
-        matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
-        assert [f.fp32_precision for f in (matmul, cudnn.conv, cudnn.rnn)] == ["tf32"] * 3
+        assert torch.backends.mkldnn.matmul.fp32_precision == "none"   # CPU matmuls untouched
         print("ok")
     """
     assert run([sys.executable, "-c", code]).stdout.strip() == "ok"
