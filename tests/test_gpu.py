@@ -287,6 +287,11 @@ def test_chapter_04_at_world_size_1_on_nccl_saves_and_resumes(tmp_path, record):
     record("ch04_tiny_nccl_1", chapter_figures(summary))
 
 
+# Chapter 04 over gloo on the GPU runs this many steps, not CH04_STEPS (12): a tiny step
+# takes milliseconds there, and the SIGTERM sent after step 5 must land before the end.
+GLOO_STEPS = 60
+
+
 @pytest.fixture(scope="module")
 def ch04_gloo(tmp_path_factory):
     """Chapter 04 on two ranks sharing the GPU over gloo, uninterrupted, four times: twice
@@ -296,7 +301,7 @@ def ch04_gloo(tmp_path_factory):
     for key, extra in (("det-a", ["--deterministic"]), ("det-b", ["--deterministic"]),
                        ("default-a", []), ("default-b", [])):
         save_dir = tmp_path_factory.mktemp(f"ch04-gloo-{key}")
-        ch04_train(save_dir, *extra, env=GLOO)
+        ch04_train(save_dir, "--max-steps", GLOO_STEPS, *extra, env=GLOO)
         runs[key] = save_dir / NAME
     return runs
 
@@ -323,7 +328,8 @@ def test_chapter_04_sigterm_saves_and_the_rerun_continues_bit_for_bit(tmp_path, 
                    summary["step_wall_s"] / read_json(default[0] / "summary.json")["step_wall_s"]}
     record("ch04_tiny_gloo_2", figures)  # before the asserts: a failure keeps the figures
     assert figures["deterministic"] and figures["deterministic_runs_identical"]
-    cmd = [str(c) for c in torchrun_cmd(2, CH04, *ch04_flags(tmp_path, "--ckpt-freq", 100, "--deterministic"))]
+    cmd = [str(c) for c in torchrun_cmd(2, CH04, *ch04_flags(tmp_path, "--max-steps", GLOO_STEPS,
+                                                             "--ckpt-freq", 100, "--deterministic"))]
     metrics = tmp_path / NAME / "metrics.jsonl"
     job = start_job(cmd, tmp_path / "job.log", env=GLOO, warm=False,  # torchrun itself
                     until=lambda: metrics.exists() and metrics.read_text().count("\n") >= 5)
@@ -333,13 +339,15 @@ def test_chapter_04_sigterm_saves_and_the_rerun_continues_bit_for_bit(tmp_path, 
     finally:
         kill_job(job.pid)
     out = (tmp_path / "job.log").read_text()
-    [line] = [x for x in out.splitlines() if x.startswith("interrupted at step")]
+    stopped = [x for x in out.splitlines() if x.startswith("interrupted at step")]
+    assert len(stopped) == 1, f"one 'interrupted at step' line expected: {out[-3000:]}"
+    line = stopped[0]
     step = int(line.split()[3])
     assert (tmp_path / NAME / "checkpoints" / "latest").read_text() == step_dir(step)
     proc = run(cmd, env=GLOO, timeout=300)
     assert f"step {step}" in proc.stdout
     resumed = tmp_path / NAME
-    assert [r["step"] for r in read_jsonl(resumed / "metrics.jsonl")] == list(range(1, CH04_STEPS + 1))
+    assert [r["step"] for r in read_jsonl(resumed / "metrics.jsonl")] == list(range(1, GLOO_STEPS + 1))
     figures.update(interrupted_at_step=step, resumed_identical=identical(resumed, reference),
                    resumed_loss_rel_diff=rel_diff(losses(resumed), losses(reference)))
     record("ch04_tiny_gloo_2", figures)
