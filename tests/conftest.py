@@ -246,6 +246,60 @@ def ch01_smoke(tmp_path_factory):
         read_json(run_dir / "summary.json")
 
 
+def small_corpus(folder: Path) -> Path:
+    """A one-file corpus of 13 packed samples at --seq-length 32 and --vocab-size 300: an
+    epoch lasts a few steps, so a short run crosses several."""
+    corpus = Path(folder) / "tiny.txt"
+    corpus.write_text("def f(x):\n    return x + 1\n" * 40)
+    return corpus
+
+
+SMALL_CORPUS_FLAGS = ["--vocab-size", "300", "--seq-length", "32"]
+
+# Runs a chapter script (its path and arguments follow) and records, per rank, the index
+# of every training sample it reads, in order: the first dataset read is the training one.
+ORDER_PROBE = """
+import atexit, json, os, runpy, sys
+from pathlib import Path
+sys.path.insert(0, str(Path(sys.argv[1]).resolve().parents[1]))
+from common import data
+reads = []
+real = data.PackedDataset.__getitem__
+def getitem(self, i):
+    reads.append((id(self), i))
+    return real(self, i)
+data.PackedDataset.__getitem__ = getitem
+atexit.register(lambda: Path(__file__).with_name(f"order-{os.environ.get('RANK', '0')}.json").write_text(
+    json.dumps([i for d, i in reads if d == reads[0][0]])))
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def training_order(folder: Path, launch, script: str, *args) -> list[list[int]]:
+    """The training samples each rank of `launch(script, *args)` read, in order (rank 0
+    first); `launch` is `python_cmd` or a `torchrun_cmd` with its process count bound."""
+    probe = Path(folder) / "order_probe.py"
+    probe.write_text(ORDER_PROBE)
+    run(launch(probe, REPO / script, *args))
+    return [json.loads(p.read_text()) for p in sorted(Path(folder).glob("order-*.json"))]
+
+
+def shuffled_epochs(n: int, seed: int, epochs: int, batch: int, world: int = 1) -> list[list[int]]:
+    """The samples each of `world` ranks trains on over `epochs` epochs of n samples with
+    DistributedSampler(drop_last=True), set_epoch(epoch) and a DataLoader of `batch`
+    with drop_last: randperm(n) seeded with seed + epoch, rank r taking every world-th
+    element from r, cut to whole batches."""
+    import torch
+    orders = [[] for _ in range(world)]
+    for epoch in range(epochs):
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+        for r in range(world):
+            share = perm[: n - n % world][r::world]
+            orders[r] += share[: len(share) - len(share) % batch]
+    return orders
+
+
 def refused(capsys, parse, argv) -> str:
     """A script's parse_args on a bad command line, in this process: exit status 2 and
     one line on stderr, which is returned."""

@@ -13,8 +13,8 @@ from torch.utils.data import DistributedSampler
 
 from common.model import LlamaForCausalLM, get_config
 from common.summary import throughput_table
-from conftest import CH01_STEPS, NO_GPU, REPO, TINY, load_script, python_cmd, read_json, read_jsonl, \
-    refused, run
+from conftest import CH01_STEPS, NO_GPU, REPO, SMALL_CORPUS_FLAGS, TINY, load_script, python_cmd, \
+    read_json, read_jsonl, refused, run, shuffled_epochs, small_corpus, training_order
 
 SCRIPT = "01-single-gpu/train_llm.py"
 FOLDER = REPO / "01-single-gpu"
@@ -113,6 +113,19 @@ def test_data_order_is_a_fresh_seeded_shuffle_every_epoch(n, seed):
         a, b = list(halves[0]), list(halves[1])
         assert [x for pair in zip(a, b) for x in pair] == expected[: 2 * (n // 2)]
     assert len({tuple(o) for o in orders}) == len(orders)  # a new order every epoch
+
+
+def test_the_script_trains_on_a_fresh_seeded_shuffle_every_epoch(tmp_path):
+    """The script itself, over three epochs of a 13-sample corpus (3 steps of 4 each):
+    the samples it reads are randperm(seed + epoch), epoch after epoch, in whole batches.
+    A script that forgot sampler.set_epoch(epoch) would repeat epoch 0's order."""
+    steps, seed = 7, 5
+    [order] = training_order(tmp_path, python_cmd, SCRIPT, *train_args(
+        tmp_path, "order", steps, "--dataset-name", small_corpus(tmp_path), *SMALL_CORPUS_FLAGS,
+        "--seed", seed, "--val-batches", 1))
+    n = read_json(tmp_path / "order" / "summary.json")["data"]["train_samples"]
+    assert n == 13
+    assert order == shuffled_epochs(n, seed, epochs=3, batch=4)[0][: steps * 4]
 
 
 @pytest.mark.parametrize("launcher", ["python", "torchrun"])
@@ -248,10 +261,9 @@ def test_max_steps_ends_the_run_whatever_num_epochs_says(tmp_path):
     run(python_cmd(SCRIPT, *train_args(tmp_path, "many-epochs", 3, "--num-epochs", 10**12)),
         timeout=120)
     assert [r["step"] for r in read_jsonl(tmp_path / "many-epochs" / "metrics.jsonl")] == [1, 2, 3]
-    small = tmp_path / "tiny.txt"  # a corpus of 13 samples: one epoch is 3 steps of 4
-    small.write_text("def f(x):\n    return x + 1\n" * 40)
+    small = small_corpus(tmp_path)  # 13 samples: one epoch is 3 steps of 4
     proc = run(python_cmd(SCRIPT, *train_args(tmp_path, "epochs", 5, "--dataset-name", small,
-                                               "--vocab-size", "300", "--seq-length", "32")))
+                                               *SMALL_CORPUS_FLAGS)))
     assert "training 5 steps (" in proc.stdout
     records = read_jsonl(tmp_path / "epochs" / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5] and records[-1]["epoch"] >= 1
