@@ -13,8 +13,8 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, TINY, free_port, load_script, python_cmd, read_json, read_jsonl, refused, \
-    run, torchrun_cmd
+from conftest import REPO, SMALL_CORPUS_FLAGS, TINY, free_port, load_script, python_cmd, read_json, \
+    read_jsonl, refused, run, shuffled_epochs, small_corpus, torchrun_cmd, training_order
 
 SCRIPT = "03-ddp/train_llm.py"
 CH01 = "01-single-gpu/train_llm.py"
@@ -136,6 +136,21 @@ def test_two_nodes_with_grad_accumulation_equal_the_global_batch(two_nodes, ch01
     assert summary["activation_checkpointing"]
     assert sum(out.count("outputs in") for out in stdouts) == 1   # rank 0's node only
     assert_same_training(save_dir / "nodes-2x4x2", ch01_b16)
+
+
+def test_each_rank_trains_on_its_share_of_a_fresh_shuffle_every_epoch(tmp_path):
+    """2 ranks x batch 2 over three epochs of a 13-sample corpus (3 steps each): rank r
+    reads every second sample of randperm(seed + epoch) from r, epoch after epoch, as
+    chapter 01 reads the whole of it. Without sampler.set_epoch(epoch) every epoch would
+    repeat epoch 0's order on both ranks, and chapter 03 would still equal chapter 01
+    within one epoch, where the other tests of this file run."""
+    steps, seed = 7, 5
+    orders = training_order(tmp_path, lambda *a: torchrun_cmd(2, *a), SCRIPT, *train_args(
+        tmp_path, "order", 2, "--dataset-name", small_corpus(tmp_path), *SMALL_CORPUS_FLAGS,
+        "--seed", seed, "--val-batches", 1, steps=steps))
+    n = read_json(tmp_path / "order" / "summary.json")["data"]["train_samples"]
+    expected = shuffled_epochs(n, seed, epochs=3, batch=2, world=2)
+    assert n == 13 and orders == [rank[: steps * 2] for rank in expected]
 
 
 def test_plain_python_is_world_size_1(accum):
