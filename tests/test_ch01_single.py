@@ -67,6 +67,11 @@ def test_every_output_is_written_with_its_documented_fields(smoke):
     assert summary["peak_memory_mb"] > 0
 
 
+def test_validation_reads_val_batches_batches(smoke):
+    proc, *_ = smoke
+    assert "over 2 batches" in proc.stdout  # TINY's --val-batches 2, not the whole split
+
+
 def test_model_pt_is_a_plain_state_dict_of_the_llama_model(smoke):
     _, run_dir, _, summary = smoke
     state = torch.load(run_dir / "model.pt", weights_only=True)
