@@ -163,6 +163,7 @@ def test_only_rank_0_writes_and_prints(ddp):
     proc, run_dir = ddp
     assert proc.stdout.count("| metric ") == 1 and proc.stdout.count("outputs in") == 1
     assert "[rank 1]" not in proc.stdout + proc.stderr  # rank 1 logs only trouble
+    assert "over 2 batches" in proc.stdout  # TINY's --val-batches 2 in all, not 2 per rank
     assert sorted(p.name for p in run_dir.iterdir()) == [".owner", "metrics.jsonl", "model.pt", "summary.json"]
     steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")]
     assert steps == list(range(1, STEPS + 1))  # one writer: every step once
