@@ -293,3 +293,38 @@ def test_packed_steps_send_no_token_count(tmp_path, form):
     calls = [int(line.split()[-1]) for line in proc.stdout.splitlines()
              if line.startswith("ALL_REDUCE_CALLS")]
     assert calls == [2 + (6 if form == "padded" else 0)], proc.stdout[-2000:]
+
+
+COUNT_DDP_ALL_REDUCES = """
+import atexit, os, runpy, sys
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel
+calls = []
+real_init = DistributedDataParallel.__init__
+def init(self, *args, **kwargs):
+    real_init(self, *args, **kwargs)
+    def counted(state, bucket):  # DDP's own averaging, counted
+        calls.append(1)
+        return allreduce_hook(state, bucket)
+    self.register_comm_hook(None, counted)
+DistributedDataParallel.__init__ = init
+atexit.register(lambda: os.environ["RANK"] == "0" and print("DDP_ALL_REDUCES", len(calls), flush=True))
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_accumulation_all_reduces_only_the_last_micro_batch(tmp_path):
+    """With --grad-accum 2, DDP all-reduces its buckets once per step, as with 1: the
+    first micro-batch only accumulates (require_backward_grad_sync, what no_sync sets).
+    Averaging every micro-batch would give the same numbers (the other tests cannot
+    tell), at twice the traffic. Counted by a communication hook over 3 steps."""
+    wrapper = tmp_path / "count.py"
+    wrapper.write_text(COUNT_DDP_ALL_REDUCES)
+    counts = []
+    for accum in (1, 2):
+        proc = run(torchrun_cmd(2, wrapper, REPO / SCRIPT, *train_args(
+            tmp_path, f"accum{accum}", 2, "--grad-accum", accum, "--val-batches", 1, steps=3)))
+        counts += [int(line.split()[-1]) for line in proc.stdout.splitlines()
+                   if line.startswith("DDP_ALL_REDUCES")]
+    assert len(counts) == 2 and counts[0] == counts[1] >= 3, counts
