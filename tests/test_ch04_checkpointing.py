@@ -16,7 +16,8 @@ from ch04_runs import (CRASH, FREQ, NAME, SCRIPT, STEPS, assert_same_as_uninterr
 from common.checkpoint_folder import run_settings
 from common.data import build_datasets
 from common.durable import write_manifest
-from conftest import load_script, python_cmd, read_json, read_jsonl, run, torchrun_cmd
+from conftest import SMALL_CORPUS_FLAGS, load_script, python_cmd, read_json, read_jsonl, run, shuffled_epochs, \
+    small_corpus, torchrun_cmd, training_order
 
 
 def test_uninterrupted_run_keeps_the_last_k_checkpoints(uninterrupted):
@@ -62,6 +63,23 @@ def test_on_3_ranks_a_restart_continues_exactly_too(tmp_path):
     assert f"resumed from {tmp_path / 'restarted' / NAME / 'checkpoints' / step_dir(6)}: step 6" in proc.stdout
     assert_same_as_uninterrupted(tmp_path / "restarted" / NAME, tmp_path / "whole" / NAME)
     assert "over 2 batches" in proc.stdout  # --val-batches 2 in all, not one per rank
+
+
+def test_a_restart_in_a_later_epoch_continues_exactly(tmp_path):
+    """The suite's other runs never leave epoch 0. On a 13-sample corpus, 2 ranks x batch
+    2 take 3 steps an epoch: the 12 steps run four epochs, each on its own shuffle
+    (randperm(seed + epoch), every second sample per rank), and a crash after step 5,
+    resumed from step 4's checkpoint (one step into epoch 1), continues exactly."""
+    seed, whole = 5, tmp_path / "whole"
+    small = ["--dataset-name", small_corpus(tmp_path), *SMALL_CORPUS_FLAGS, "--batch-size", 2,
+             "--seed", seed, "--ckpt-freq", 4, "--num-workers", 0]  # the probe reads in-process
+    whole.mkdir()
+    orders = training_order(whole, lambda *a: torchrun_cmd(2, *a), SCRIPT, *flags(whole, *small))
+    n = read_json(whole / NAME / "summary.json")["data"]["train_samples"]
+    assert n == 13 and orders == shuffled_epochs(n, seed, epochs=4, batch=2, world=2)
+    proc = train(tmp_path / "crashed", *small, "--crash-at-step", 5, restarts=1)
+    assert f"resumed from {tmp_path / 'crashed' / NAME / 'checkpoints' / step_dir(4)}: step 4" in proc.stdout
+    assert_same_as_uninterrupted(tmp_path / "crashed" / NAME, whole / NAME)
 
 
 def test_rerun_after_sigkill_of_the_whole_job_continues_exactly(tmp_path, uninterrupted):
