@@ -310,3 +310,22 @@ def refused(capsys, parse, argv) -> str:
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     return lines[0]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A tmpfs of a given size in bytes (mount needs root; skipped where it fails)."""
+    mounted = []
+
+    def mount(size: int) -> Path:
+        disk = tmp_path / f"disk-{len(mounted)}"
+        disk.mkdir()
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a small tmpfs here: {proc.stderr.strip()}")
+        mounted.append(disk)
+        return disk
+    yield mount
+    for disk in mounted:
+        subprocess.run(["umount", str(disk)], capture_output=True)

@@ -272,3 +272,14 @@ def test_max_steps_ends_the_run_whatever_num_epochs_says(tmp_path):
     assert "training 5 steps (" in proc.stdout
     records = read_jsonl(tmp_path / "epochs" / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5] and records[-1]["epoch"] >= 1
+
+
+def test_a_full_disk_at_the_final_save_is_one_line_and_leaves_no_truncated_weights(small_disk):
+    """A 2 MB disk takes the metrics, not the 4.5 MB model.pt: exit status 1, one line
+    naming the cause, no traceback, and no half-written model.pt a later load would trust."""
+    disk = small_disk(2 << 20)
+    proc = run(python_cmd(SCRIPT, *train_args(disk, "full", 2)), check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert len(errors) == 1 and errors[0].startswith(f"error: disk full while saving {disk / 'full' / 'model.pt'}"), errors
+    assert {p.name for p in (disk / "full").iterdir()} == {".owner", "metrics.jsonl"}

@@ -328,3 +328,14 @@ def test_accumulation_all_reduces_only_the_last_micro_batch(tmp_path):
         counts += [int(line.split()[-1]) for line in proc.stdout.splitlines()
                    if line.startswith("DDP_ALL_REDUCES")]
     assert len(counts) == 2 and counts[0] == counts[1] >= 3, counts
+
+
+def test_a_full_disk_at_the_final_save_stops_every_rank_with_its_one_line(small_disk):
+    """Rank 0's model.pt does not fit a 2 MB disk: every rank hears why (no rank left
+    waiting, no traceback) and no truncated model.pt stays behind."""
+    disk = small_disk(2 << 20)
+    proc = run(torchrun_cmd(2, SCRIPT, *train_args(disk, "full", 4, steps=2)), check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode != 0 and "[rank0]: Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert errors and all(f"disk full while saving {disk / 'full' / 'model.pt'}" in e for e in errors), errors
+    assert {p.name for p in (disk / "full").iterdir()} == {".owner", "metrics.jsonl"}

@@ -112,25 +112,6 @@ def test_a_shard_dcp_cannot_read_is_one_line_not_a_traceback(saved, one_rank_gro
         and "__0_0.distcp" in err, err
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A tmpfs of a given size in bytes (mount needs root; skipped where it fails)."""
-    mounted = []
-
-    def mount(size: int) -> Path:
-        disk = tmp_path / f"disk-{len(mounted)}"
-        disk.mkdir()
-        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk)],
-                              capture_output=True, text=True)
-        if proc.returncode != 0:
-            pytest.skip(f"cannot mount a small tmpfs here: {proc.stderr.strip()}")
-        mounted.append(disk)
-        return disk
-    yield mount
-    for disk in mounted:
-        subprocess.run(["umount", str(disk)], capture_output=True)
-
-
 @pytest.mark.parametrize("room", [0.5, 1.5], ids=["reference-write", "dcp-write"])
 def test_a_full_disk_during_the_save_is_one_line_and_leaves_nothing(saved, one_rank_group, small_disk, capsys, room):
     """A disk with room for half the state (the proof's reference fails) or one and a half
