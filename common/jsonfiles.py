@@ -51,5 +51,8 @@ def write_json(path: str | os.PathLike, obj: dict):
     """Write beside the target and rename, so readers never see half a file."""
     path = Path(path)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # concurrent writers: one each
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(obj, indent=2) + "\n")
+        os.replace(tmp, path)
+    finally:  # a full disk must not leave the half-written copy behind
+        tmp.unlink(missing_ok=True)

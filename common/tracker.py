@@ -23,7 +23,7 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from .data import show_progress
-from .durable import dir_size_mb
+from .durable import dir_size_mb, one_line
 from .errors import fail
 from .jsonfiles import MetricsWriter, read_metrics, write_json, write_jsonl
 from .summary import build_summary, comparison_warnings, find_baseline, throughput_table
@@ -216,6 +216,10 @@ class Tracker:
             summary.setdefault("notes", []).append(
                 f"the machine was busy (load average up to {summary['load_avg_max']:.1f} on "
                 f"{summary['cpu_cores']} cores): other programs took CPU time from this run")
-        write_json(self.run_dir / "summary.json", summary)
+        try:
+            write_json(self.run_dir / "summary.json", summary)
+        except OSError as e:  # a full disk: one line, not a traceback
+            fail(f"writing {self.run_dir / 'summary.json'} failed ({one_line(e)}); free some space "
+                 f"and run again", status=1)
         print(f"\n{throughput_table(summary)}\n\noutputs in {self.run_dir}", flush=True)
         return summary

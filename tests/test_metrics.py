@@ -382,3 +382,15 @@ def test_the_baseline_is_a_chapter_01_run_with_the_same_kernels(tmp_path):
         run = {"chapter": "03-ddp", **size, **{k: True for k in on}}
         assert summary.find_baseline(tmp_path, run)["experiment_name"] == name
     assert summary.find_baseline(tmp_path, {**size, "compiled": True, "deterministic": True}) is None
+
+
+def test_write_json_on_a_full_disk_keeps_the_old_file_and_leaves_no_half_copy(small_disk):
+    """ENOSPC mid-write: the error reaches the caller (the Tracker turns it into one line),
+    the file already there is untouched, and no half-written temporary stays beside it."""
+    disk = small_disk(64 << 10)
+    path = disk / "summary.json"
+    write_json(path, {"old": 1})
+    with pytest.raises(OSError):
+        write_json(path, {"big": "x" * (256 << 10)})
+    assert [p.name for p in disk.iterdir()] == ["summary.json"]
+    assert json.loads(path.read_text()) == {"old": 1}
