@@ -119,6 +119,7 @@ def load_runs(summary_paths, warn=None) -> list[Run]:
                 raise ValueError("tokens_per_s or a step_time_s phase is not a number, or not finite")
             run = Run(path, summary)
             table_rows([run])  # every cell must format: fail here, not halfway through
+            row_labels([run]), tokens_labels([run])  # and every plot label (the device type)
         except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
             warn(f"warning: skipping {path}: {e}")
             continue

@@ -163,11 +163,15 @@ def test_corrupt_summary_is_skipped_with_warning(runs_dir, tmp_path, capsys):
     wrong_type.mkdir()
     s = json.loads((runs_dir / "a" / "01-single" / "summary.json").read_text())
     (wrong_type / "summary.json").write_text(json.dumps({**s, "tokens_per_s": "fast"}))
+    no_device = runs_dir / "c" / "no-device"  # the table's keys all there, a plot label's not
+    no_device.mkdir()
+    (no_device / "summary.json").write_text(json.dumps({k: v for k, v in s.items() if k != "device"}))
     assert report.main([str(runs_dir), "--out", str(tmp_path / "r")]) == 0
     captured = capsys.readouterr()
     assert len(table_rows(captured.out)) == 3
     warnings = captured.err.splitlines()
-    assert len(warnings) == 3 and all(w.startswith("warning: skipping") for w in warnings)
+    assert len(warnings) == 4 and all(w.startswith("warning: skipping") for w in warnings)
+    assert any(str(no_device / "summary.json") in w and "'device'" in w for w in warnings)
     assert any(str(bad / "summary.json") in w for w in warnings)
     assert any(str(incomplete / "summary.json") in w and "missing keys" in w for w in warnings)
     assert any(str(wrong_type / "summary.json") in w and "not a number" in w for w in warnings)
