@@ -39,7 +39,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from .distributed import first_error, patient_group
-from .durable import fsync_dir, fsync_write
+from .durable import fsync_dir, fsync_write, is_disk_full
 from .errors import fail
 
 PAD, BOT, EOT = "[PAD]", "[BOT]", "[EOT]"
@@ -509,7 +509,12 @@ def write_token_files(path: Path, tokenize, tok, meta: dict, val_fraction: float
     except OSError as e:
         raise cache_unwritable(path.parent, e) from None
     try:
-        tokenized = tokenize(tmp / "scratch")
+        try:  # a corpus read from files is tokenized into scratch: the cache's disk too
+            tokenized = tokenize(tmp / "scratch")
+        except OSError as e:
+            if not is_disk_full(e):
+                raise
+            raise cache_unwritable(path.parent, e) from None
         dtype, eot_id = token_dtype(tok.get_vocab_size()), tok.token_to_id(EOT)
         try:  # a full disk here is the cache's problem, not the corpus's
             counts = _write_split_files(tokenized, split_mask(len(tokenized), val_fraction,

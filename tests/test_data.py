@@ -349,6 +349,21 @@ def test_a_cache_that_cannot_be_written_is_one_line_and_leaves_nothing(corpus_di
     assert len(left) == 1 and left[0].startswith("tokenizer-"), left  # no half token folder
 
 
+def test_a_disk_that_fills_while_a_local_corpus_is_tokenized_is_one_line(tmp_path, small_disk):
+    """A corpus read from files is tokenized into the cache folder's scratch (datasets'
+    map writes its arrow file there): a disk that fills then is the same one line as a
+    full disk during the token files, and leaves no half token folder."""
+    words = [f"{w}{i}" for w in ("alpha", "beta", "gamma", "delta") for i in range(50)]
+    rng = np.random.default_rng(0)
+    root = write_files(tmp_path / "big", {f"d{i}.txt": " ".join(rng.choice(words, 60_000)) for i in range(4)})
+    cache = small_disk(1 << 20)
+    with pytest.raises(DataError, match="cannot be written .No space left on device.") as err:
+        build_datasets(str(root), 16, vocab_size=VOCAB, cache_dir=cache)
+    one_line(err)
+    left = sorted(p.name for p in cache.iterdir())
+    assert len(left) == 1 and left[0].startswith("tokenizer-"), left
+
+
 @pytest.mark.parametrize("damage", ["truncated", "offsets", "meta"])
 def test_a_damaged_token_cache_says_how_to_rebuild_it(tmp_path, damage):
     corpus = tmp_path / "c.txt"
