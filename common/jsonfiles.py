@@ -22,6 +22,14 @@ class MetricsWriter:
     def close(self):
         self.f.close()
 
+    def discard(self):
+        """Close after a failed write (a full disk): what is still buffered is dropped,
+        not retried at exit, where it would fail again as an 'Exception ignored' report."""
+        try:
+            self.f.close()
+        except OSError:
+            pass
+
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:
     """The records of a metrics.jsonl; a line that is not one JSON object (torn by a kill

@@ -394,3 +394,25 @@ def test_write_json_on_a_full_disk_keeps_the_old_file_and_leaves_no_half_copy(sm
         write_json(path, {"big": "x" * (256 << 10)})
     assert [p.name for p in disk.iterdir()] == ["summary.json"]
     assert json.loads(path.read_text()) == {"old": 1}
+
+
+def test_a_disk_that_fills_mid_run_stops_the_log_with_one_line(small_disk, capsys):
+    """metrics.jsonl is written a line at a time: when the disk fills mid-run, the run
+    stops with exit status 1 and one line naming the file, no traceback and no
+    'Exception ignored' from the unflushed file at exit."""
+    import logging
+
+    from common.tracker import Tracker
+    disk = small_disk(64 << 10)
+    (disk / "run").mkdir()
+    args = argparse.Namespace(experiment_name="run", model_preset="tiny", seq_length=8, batch_size=2)
+    t = Tracker("01-single-gpu", disk / "run", "cpu", 10_000, 16, logging.getLogger("test"),
+                threads=(1, 1), args=args, dtype="fp32", num_params=1000, flops_per_token=1e4)
+    with pytest.raises(SystemExit) as stop:
+        for step in range(1, 10_001):
+            t.start_step()
+            t.end_step()
+            t.log(step, loss=1.0, lr=1e-3, note="x" * 200)
+    err = capsys.readouterr().err
+    assert stop.value.code == 1 and err.count("\n") == 1, err
+    assert err.startswith(f"error: writing {disk / 'run' / 'metrics.jsonl'} failed (OSError: [Errno 28] "), err
