@@ -9,6 +9,7 @@ exit status 2, before any work, and nothing is created on disk.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import os
@@ -26,6 +27,7 @@ from .environment import threads_override
 from .errors import UsageError, fail
 from .model import PRESETS
 from .runfolder import holds_results
+from .summary import baseline_problem
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SAVE_DIR = REPO_ROOT / "outputs" if (REPO_ROOT / "pyproject.toml").exists() \
@@ -62,6 +64,19 @@ seed_value = _number(int, lambda v: 0 <= v < 2**63, "a whole number in [0, 2**63
 def existing_file(text: str) -> str:
     if not os.path.isfile(text):
         raise argparse.ArgumentTypeError(f"{text!r} does not exist or is not a file")
+    return text
+
+
+def baseline_file(text: str) -> str:
+    """--baseline: a summary.json the scaling efficiency can divide by, checked now, not
+    when the run ends."""
+    existing_file(text)
+    try:
+        problem = baseline_problem(json.loads(Path(text).read_text()))
+    except (OSError, ValueError, RecursionError) as e:  # not UTF-8, not JSON, nested too deep
+        problem = f"not readable as JSON ({type(e).__name__})"
+    if problem:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a run's summary.json: {problem}")
     return text
 
 
@@ -187,7 +202,7 @@ def base_parser(chapter: str, description: str, *, distributed: bool = False,
     if distributed:
         g.add_argument("--timeout", type=seconds, default=600,
                        help="seconds a collective may wait for the other ranks before failing")
-        g.add_argument("--baseline", type=existing_file, default=None,
+        g.add_argument("--baseline", type=baseline_file, default=None,
                        help="chapter 01 summary.json for the scaling efficiency (default: the "
                             "latest matching one under --save-dir)")
     p.checks.append(lambda args: check_args(args, run_dir_must_be_new=not resumes))

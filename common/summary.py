@@ -7,6 +7,7 @@ printed by rank 0 (`throughput_table`), with MFU against the device's peak
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -164,6 +165,18 @@ def throughput_table(summary: dict) -> str:
     return markdown_table(("metric", "value"), throughput_rows(summary))
 
 
+def baseline_problem(s) -> str | None:
+    """Why a parsed summary.json cannot be a baseline (what the scaling efficiency divides
+    by and names), or None."""
+    if not isinstance(s, dict):
+        return "not a JSON object"
+    tps = s.get("tokens_per_s")
+    if not (isinstance(tps, (int, float)) and math.isfinite(tps) and tps > 0):
+        return "no tokens_per_s above 0 in it"
+    missing = [k for k in ("chapter", "experiment_name") if k not in s]
+    return f"no {' or '.join(missing)} in it" if missing else None
+
+
 def find_baseline(path: str | os.PathLike, summary: dict) -> dict | None:
     """A chapter 01 summary to compare a multi-process run against: the file itself if
     `path` is one, else the newest chapter 01 run under `path` with the same preset,
@@ -173,14 +186,17 @@ def find_baseline(path: str | os.PathLike, summary: dict) -> dict | None:
     path = Path(path)
     if path.is_file():
         try:
-            return json.loads(path.read_text())
-        except (OSError, ValueError):
+            s = json.loads(path.read_text())
+        except (OSError, ValueError, RecursionError):
             return None
+        return None if baseline_problem(s) else s
     best, best_mtime = None, -1.0
     for f in path.glob("*/summary.json") if path.is_dir() else []:
         try:
             s = json.loads(f.read_text())
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
+            continue
+        if baseline_problem(s):  # a broken or unfinished run's summary: not comparable
             continue
         same = (all(s.get(k) == summary.get(k) for k in ("preset", "seq_length", "batch_size", "device",
                                                           "dtype", "grad_accum"))

@@ -327,5 +327,5 @@ def small_disk(tmp_path):
         mounted.append(disk)
         return disk
     yield mount
-    for disk in mounted:
-        subprocess.run(["umount", str(disk)], capture_output=True)
+    for disk in mounted:  # lazy: a file a failed test left open must not keep it mounted
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)

@@ -196,6 +196,27 @@ def test_missing_baseline_file_is_refused(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("content, why", [
+    ('{"world_size": 2, "settings": {}}', "no tokens_per_s above 0 in it"),  # ddp_knobs.json, say
+    ('[1, 2]', "not a JSON object"),
+    ('{"step": 1, "loss": 9.0}\n{"step": 2, "loss": 8.9}\n', "not readable as JSON (JSONDecodeError)"),
+    ('{"chapter": "01-single-gpu", "diverged_at_step": 3, "loss": "nan", "steps": 3, "tokens_per_s": 0.0}',
+     "no tokens_per_s above 0 in it"),
+])
+def test_a_baseline_that_is_no_summary_is_refused_before_any_work(tmp_path, monkeypatch, capsys, content, why):
+    """--baseline is divided by when the run ends: a file that cannot be (another JSON, a
+    metrics.jsonl, a diverged run's summary) is refused at once, not after the training
+    with a traceback and no summary.json."""
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(k, v)
+    wrong = tmp_path / "wrong.json"
+    wrong.write_text(content)
+    line = refused(capsys, load_script(SCRIPT).parse_args,
+                   train_args(tmp_path / "out", "x", 8, "--baseline", wrong))
+    assert line == f"error: argument --baseline: '{wrong}' is not a run's summary.json: {why} (see --help)"
+    assert not (tmp_path / "out").exists()
+
+
 def test_slurm_script_is_valid_bash_and_launches_what_the_readme_says(tmp_path):
     """`bash -n`, then a dry run with stand-ins for getent, hostname and srun (srun runs
     its command as node 0, then as node 1; torchrun prints what it was given): one srun

@@ -369,12 +369,15 @@ def test_the_baseline_is_a_chapter_01_run_with_the_same_kernels(tmp_path):
     """A scaling efficiency compares like with like: the chapter 01 run it divides by was
     compiled, checkpointed its activations and ran deterministic kernels exactly when the
     multi-process run did (each changes tokens/s), and is otherwise the same size."""
-    size = {"preset": "tiny", "seq_length": 8, "batch_size": 2, "device": "cpu", "dtype": "fp32"}
+    size = {"preset": "tiny", "seq_length": 8, "batch_size": 2, "device": "cpu", "dtype": "fp32",
+            "tokens_per_s": 1e3}
     switches = ("compiled", "activation_checkpointing", "deterministic")
     for name, on in [("plain", ()), *((k, (k,)) for k in switches)]:
         (tmp_path / name).mkdir()
         write_json(tmp_path / name / "summary.json", {"chapter": "01-single-gpu", "experiment_name": name,
                                                       **size, **{k: k in on for k in switches}})
+    (tmp_path / "not-a-summary").mkdir()  # JSON, but no object: passed over, not a crash
+    (tmp_path / "not-a-summary" / "summary.json").write_text("[1, 2]")
     (tmp_path / "other-size").mkdir()
     write_json(tmp_path / "other-size" / "summary.json",
                {"chapter": "01-single-gpu", "experiment_name": "other-size", **size, "batch_size": 4})
