@@ -11,8 +11,8 @@ version and (on CPU) thread count, so it runs once per machine and setup
 from __future__ import annotations
 
 import json
-import os
 import math
+import os
 import re
 import sys
 import time
@@ -151,9 +151,10 @@ def cache_key(name: str, precision: str, device_type: str) -> str:
 
 def read_cache(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError):
         return {}  # absent or half-written by a crashed run: measure again
+    return cache if isinstance(cache, dict) else {}  # JSON, but not this cache: measure again
 
 
 def cache_path(cache_dir: str | Path | None = None) -> Path:
@@ -169,7 +170,10 @@ def cached_record(device: torch.device, precision: str, cache_dir=None) -> dict:
     peak seen (`flops`), when (`measured`) and under which load (`load`, `cores`)."""
     key = cache_key(device_name(device), precision, device.type)
     record = read_cache(cache_path(cache_dir)).get(key, {})
-    return record if isinstance(record, dict) else {}
+    flops = record.get("flops") if isinstance(record, dict) else None
+    # a record without a usable peak (edited, another version's) is measured again
+    ok = isinstance(flops, (int, float)) and math.isfinite(flops) and flops > 0
+    return record if ok else {}
 
 
 def machine_load() -> tuple[float | None, int]:

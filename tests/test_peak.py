@@ -110,6 +110,19 @@ def test_measured_peak_is_cached(tmp_path, counted_measure, monkeypatch):
     assert len(counted_measure) == 1
 
 
+@pytest.mark.parametrize("content", ["[]", '"peak"', '{"%s": {"flops": "fast"}}', '{"%s": {"flops": -1}}'])
+def test_a_cache_that_is_json_but_not_a_peak_is_measured_again(tmp_path, monkeypatch, content):
+    """A matmul_peak.json that parses but holds no usable peak (another file copied there,
+    an edited record) is measured again and rewritten, not an AttributeError or a
+    TypeError at the end of every run that reads it."""
+    monkeypatch.setattr(peak, "machine_load", lambda: (0.5, 2))
+    monkeypatch.setattr(peak, "measure_matmul_peak", lambda device, precision: 1e9)
+    key = peak.cache_key(peak.device_name(torch.device("cpu")), "fp32", "cpu")
+    peak.cache_path(tmp_path).write_text(content.replace("%s", key))
+    assert measured_peak("cpu", "fp32", cache_dir=tmp_path) == 1e9
+    assert peak.cached_peak(torch.device("cpu"), "fp32", cache_dir=tmp_path) == 1e9
+
+
 def test_cache_key_holds_precision_threads_and_torch_version(tmp_path, counted_measure, monkeypatch):
     monkeypatch.setattr(peak, "machine_load", lambda: (0.5, 2))
     threads = torch.get_num_threads()
