@@ -315,7 +315,11 @@ def get_tokenizer(corpus: Corpus, vocab_size: int = DEFAULT_VOCAB_SIZE,
     key = hashlib.sha256(f"{corpus.identity}|{vocab_size}".encode()).hexdigest()[:16]
     path = cache_dir / f"tokenizer-{key}.json"
     if path.exists():
-        return load_tokenizer(path), str(path)
+        try:
+            return load_tokenizer(path), str(path)
+        except DataError as e:  # the cache's own file: say it is one, and how to rebuild it
+            raise DataError(f"the cached tokenizer cannot be read ({e}); delete it (rm {path}) "
+                            f"and run again to retrain it") from None
     tok = train_tokenizer((corpus.dataset[i:i + 1000]["text"]
                            for i in range(0, len(corpus.dataset), 1000)), vocab_size)
     _atomic_write_text(path, tok.to_str())

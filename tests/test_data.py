@@ -383,6 +383,21 @@ def test_a_damaged_token_cache_says_how_to_rebuild_it(tmp_path, damage):
         one_line(err)
 
 
+@pytest.mark.parametrize("damage", ["truncated", "no-special-tokens"])
+def test_a_damaged_cached_tokenizer_says_how_to_rebuild_it(tmp_path, damage):
+    """As a damaged token cache: the line names the cache file and the way out, not only
+    a JSON parser's complaint about a file the user never made."""
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("def f(x):\n    return x + 1\n" * 50)
+    build_datasets(str(corpus), 16, vocab_size=300, cache_dir=tmp_path / "cache")
+    [cached] = (tmp_path / "cache").glob("tokenizer-*.json")
+    text = cached.read_text()
+    cached.write_text(text[:len(text) // 2] if damage == "truncated" else text.replace("[EOT]", "[END]"))
+    with pytest.raises(DataError, match=r"cached tokenizer cannot be read .*rm .*tokenizer-.*run again") as err:
+        build_datasets(str(corpus), 16, vocab_size=300, cache_dir=tmp_path / "cache")
+    one_line(err)
+
+
 def test_datasets_memory_map_the_token_files_and_hold_no_copy(tmp_path):
     """Both forms over ~20 M synthetic tokens (40 MB of token files): the datasets hold
     memory-maps and nothing per document, this process's resident memory grows by a
