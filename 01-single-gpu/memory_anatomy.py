@@ -33,6 +33,7 @@ from common.errors import UsageError, run_main  # noqa: E402
 from common.jsonfiles import write_json  # noqa: E402
 from common.model import PRESETS, LlamaForCausalLM, flops_per_token, get_config, non_matmul_params, \
     num_parameters, shares_kv_heads  # noqa: E402
+from common.runfolder import claim_run_folder  # noqa: E402
 from common.tables import markdown_table  # noqa: E402
 from common.training import build_optimizer  # noqa: E402
 from train_llm import compute_loss, setup  # noqa: E402
@@ -338,9 +339,10 @@ def main():
     print(f"{args.model_preset} preset, {n / 1e6:.2f} M parameters, batch {args.batch_size} x "
           f"{args.seq_length} tokens, {device.type}, {dtype}: one step tracked per setting, "
           f"{args.steps} timed", flush=True)
+    # Held while it measures: a second job with this --experiment-name is refused, not
+    # left to overwrite these results with its own.
+    run_dir = claim_run_folder(Path(args.save_dir) / args.experiment_name)
     results = measure(model, optimizer, x, y, autocast, device, args.steps)
-    run_dir = Path(args.save_dir) / args.experiment_name
-    run_dir.mkdir(parents=True, exist_ok=True)
     write_json(run_dir / "memory_anatomy.json", {**facts, "results": results, "args": vars(args),
                                                   "torch_version": torch.__version__})
     plot(facts, results, run_dir / "memory_anatomy.png")
