@@ -38,6 +38,7 @@ from common.data import IGNORE_INDEX, fixed_batches, show_progress  # noqa: E402
 from common.distributed import DDP_NO_BUFFER_SYNC, gc_and_destroy_process_group, start_demo  # noqa: E402
 from common.errors import MODEL_OOM_ADVICE, UsageError, run_main  # noqa: E402
 from common.model import LlamaForCausalLM, get_config, num_parameters  # noqa: E402
+from common.runfolder import claim_run_folder  # noqa: E402
 from common import proof, sharding  # noqa: E402
 
 MODES = ("ddp", "zero1", "zero3", "fsdp2")
@@ -357,6 +358,9 @@ def train(args, config, demo, batches, what, dtype=torch.float32, autocast=None)
 
 
 def run(args, demo):
+    # ours alone while it runs: a second job with this --experiment-name is refused, not
+    # left to overwrite the report with its own (rank 0 holds it, every rank hears a refusal)
+    run_dir = claim_run_folder(Path(args.save_dir) / args.experiment_name, rank=demo.rank)
     # each rank's shard of one shared shuffle (as in chapter 03), loaded before any timing
     data, batches = fixed_batches(args.dataset_name, args.seq_length, args.batch_size,
                                   max(args.steps, args.proof_steps), args.seed, demo.rank, demo.world,
@@ -384,8 +388,7 @@ def run(args, demo):
         results[mode].update(diffs.get(mode, {}))
         results[mode]["bytes"]["peak_step"] = sharding.peak_step_bytes(t, batches[0])
     if demo.rank == 0:
-        sharding.report(summary, results, failures, Path(args.save_dir) / args.experiment_name,
-                        "sharded_from_scratch")
+        sharding.report(summary, results, failures, run_dir, "sharded_from_scratch")
     dist.barrier()  # nobody leaves while rank 0 still writes
     return 1 if failures else 0
 

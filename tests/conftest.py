@@ -10,6 +10,7 @@ import logging
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -329,3 +330,19 @@ def small_disk(tmp_path):
     yield mount
     for disk in mounted:  # lazy: a file a failed test left open must not keep it mounted
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+@contextmanager
+def run_folder_held(path: Path):
+    """Another job's lock on the run folder `path` (claim_run_folder, in a process of its
+    own) for as long as the block runs; yields that process (its pid is the owner's)."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from common.runfolder import claim_run_folder; "
+         "claim_run_folder(__import__('pathlib').Path(sys.argv[1])); print('held', flush=True); "
+         "time.sleep(600)", str(path)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        yield holder
+    finally:
+        holder.kill()
+        holder.wait()

@@ -6,8 +6,6 @@ draws its plot and table from one command and refuses bad input before any work.
 from __future__ import annotations
 
 import functools
-import subprocess
-import sys
 from contextlib import nullcontext
 
 import pytest
@@ -15,7 +13,7 @@ import torch
 
 from common.model import LlamaForCausalLM, get_config, num_parameters
 from common.training import build_optimizer
-from conftest import REPO, load_script, python_cmd, read_json, refused, run
+from conftest import load_script, python_cmd, read_json, refused, run, run_folder_held
 
 SCRIPT = "01-single-gpu/memory_anatomy.py"
 
@@ -106,12 +104,7 @@ def test_a_second_job_with_the_same_name_is_refused_not_overwriting(tmp_path):
     """The run folder is held while the script measures, as every chapter's is: a second
     job with the same --experiment-name stops with one line instead of overwriting the
     first one's memory_anatomy.json and plot with its own."""
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from common.runfolder import claim_run_folder; "
-         "claim_run_folder(__import__('pathlib').Path(sys.argv[1])); print('held', flush=True); "
-         "time.sleep(600)", str(tmp_path / "same")], cwd=REPO, stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "held"
+    with run_folder_held(tmp_path / "same") as holder:
         proc = run(python_cmd(SCRIPT, *SMALL, "--save-dir", tmp_path, "--experiment-name", "same"),
                    check=False)
         assert proc.returncode == 2, proc.stderr[-3000:]
@@ -119,6 +112,3 @@ def test_a_second_job_with_the_same_name_is_refused_not_overwriting(tmp_path):
         assert len(lines) == 1 and lines[0].startswith(
             f"error: run folder '{tmp_path / 'same'}' is in use by pid {holder.pid} on "), lines
         assert not (tmp_path / "same" / "memory_anatomy.json").exists()
-    finally:
-        holder.kill()
-        holder.wait()

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, load_script, python_cmd, read_json, run, torchrun_cmd
+from conftest import REPO, load_script, python_cmd, read_json, run, run_folder_held, torchrun_cmd
 
 SCRIPT = "05-collectives/sharded_from_scratch.py"
 sharded = load_script(SCRIPT)
@@ -281,3 +281,17 @@ def test_a_wrong_update_on_one_rank_fails_the_proof(tmp_path):
     assert [f.split(" a weight")[0] for f in result["failures"]] == [f"zero1: after step {t}" for t in (1, 2, 3)]
     assert result["modes"]["ddp"]["max_abs_diff_vs_ddp"] == 0.0
     assert result["modes"]["zero1"]["max_abs_diff_vs_ddp"] > 1e3 * result["proof_bound"]
+
+
+def test_a_second_job_with_the_same_name_is_refused_not_overwriting(tmp_path):
+    """The run folder is held from the start, as in the other chapter 05 scripts: a second
+    job with the same --experiment-name stops on every rank with the one line, instead of
+    overwriting the first one's report at its end."""
+    with run_folder_held(tmp_path / "same") as holder:
+        proc = run(torchrun_cmd(2, SCRIPT, *TINY, "--steps", 2, "--proof-steps", 1, "--timing-warmup", 1,
+                                "--save-dir", tmp_path, "--experiment-name", "same"), check=False)
+        assert proc.returncode != 0, proc.stderr[-3000:]  # torchrun's status: 1 for any failed rank
+        errors = [line for line in proc.stderr.splitlines() if "error: " in line]
+        assert errors and all(f"run folder '{tmp_path / 'same'}' is in use by pid {holder.pid} on " in e
+                              for e in errors), errors
+        assert not (tmp_path / "same" / "sharded_from_scratch.json").exists()
