@@ -61,6 +61,7 @@ from common.durable import (atomic_write, check_files, fsync_dir, fsync_write, i
 from common.errors import MODEL_OOM_ADVICE, UsageError, fail, run_main  # noqa: E402
 from common.model import LlamaForCausalLM, get_config  # noqa: E402
 from common.proof import exact_kernels  # noqa: E402
+from common.runfolder import claim_run_folder  # noqa: E402
 from common.tables import markdown_table  # noqa: E402
 from common.training import build_optimizer  # noqa: E402
 
@@ -149,6 +150,9 @@ def run(args, demo):
         if error:
             fail(error)
         start = args.load_meta["step"]
+    # ours alone from here (a damaged --load above leaves nothing): a second job with this
+    # --experiment-name is refused, not left to write the same .tmp- folders
+    run_dir = claim_run_folder(Path(args.save_dir) / args.experiment_name, rank=demo.rank)
 
     # this rank's batches of one shared shuffle; a resumed run takes the ones after `start`
     data, batches = fixed_batches(args.dataset_name, args.seq_length, args.batch_size, start + args.steps,
@@ -181,7 +185,7 @@ def run(args, demo):
     losses = train(model, optimizer, batches)
     say(demo, "loss per step: " + ", ".join(f"{start + i + 1}: {loss:.4f}" for i, loss in enumerate(losses)))
 
-    step_dir = Path(args.save_dir) / args.experiment_name / f"step-{start + args.steps:08d}"
+    step_dir = run_dir / f"step-{start + args.steps:08d}"
     seconds, reference_s = save_sharded(model, optimizer, step_dir, settings(args, data.vocab_size),
                                         start + args.steps, demo)
     say(demo, "", f"saved {shown(step_dir)} in {seconds:.2f} s (the proof's reference, gathered and "

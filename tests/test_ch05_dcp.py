@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import free_port, load_script, run, torchrun_cmd
+from conftest import free_port, load_script, run, run_folder_held, torchrun_cmd
 
 SCRIPT = "05-collectives/sharded_checkpoint.py"
 ckpt = load_script(SCRIPT)
@@ -180,3 +180,17 @@ def test_compare_sees_every_kind_of_difference():
     assert ckpt.compare({"model": {}, "optim": saved["optim"]}, saved)[2] == ["model.w: missing after loading"]
     other_lr = {"model": saved["model"], "optim": {"param_groups": [{"lr": 2e-3, "params": ["w"]}]}}
     assert ckpt.compare(other_lr, saved)[2] == ["optim.param_groups.0.lr: 0.002 vs 0.001"]
+
+
+def test_a_second_job_with_the_same_name_is_refused_not_colliding(tmp_path):
+    """The run folder is held from the start: a second job with the same
+    --experiment-name stops on every rank with the one line, instead of writing into the
+    first one's .tmp- folders (both then failed, with a "free some space" line)."""
+    with run_folder_held(tmp_path / "same") as holder:
+        proc = run(torchrun_cmd(2, SCRIPT, *TINY, "--save-dir", tmp_path, "--experiment-name", "same"),
+                   check=False)
+        assert proc.returncode != 0, proc.stderr[-3000:]  # torchrun's status: 1 for any failed rank
+        errors = [line for line in proc.stderr.splitlines() if "error: " in line]
+        assert errors and all(f"run folder '{tmp_path / 'same'}' is in use by pid {holder.pid} on " in e
+                              for e in errors), errors
+        assert sorted(p.name for p in (tmp_path / "same").iterdir()) == [".owner"]
