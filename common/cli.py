@@ -235,6 +235,8 @@ def check_args(args, *, run_dir_must_be_new: bool = True) -> None:
         raise UsageError(f"--deterministic: CUBLAS_WORKSPACE_CONFIG={workspace!r} lets cuBLAS vary its "
                          f"sums; unset it or use {' or '.join(CUBLAS_DETERMINISTIC)}")
     threads_override()  # LLM_GUIDE_THREADS, if set, is a thread count
+    if args.cache_dir:  # '~/cache' quoted, as the shell would (not a folder named '~' here)
+        args.cache_dir = os.path.expanduser(args.cache_dir)
     if args.cache_dir and os.path.exists(args.cache_dir) and not os.path.isdir(args.cache_dir):
         raise UsageError(f"--cache-dir {args.cache_dir!r} exists and is not a folder")
 

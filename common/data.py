@@ -68,7 +68,7 @@ def quiet_datasets():
 def default_cache_dir() -> Path:
     """Where tokenizers and tokenized corpora are cached (LLM_GUIDE_CACHE overrides)."""
     env = os.environ.get("LLM_GUIDE_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "llm-guide"
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "llm-guide"
 
 
 # --------------------------------------------------------------------------- corpus

@@ -85,6 +85,20 @@ def test_a_quoted_tilde_in_save_dir_is_the_home_folder(tmp_path, monkeypatch):
     assert args.save_dir == str(tmp_path / "runs") and not (tmp_path / "~").exists()
 
 
+def test_a_quoted_tilde_in_the_cache_folder_is_the_home_folder(tmp_path, monkeypatch):
+    """--cache-dir '~/cache' and LLM_GUIDE_CACHE='~/cache' (quoted, as a shell script or a
+    job file leaves them) mean the home folder too: the caches were written into a folder
+    named '~' in the current one."""
+    from common.data import default_cache_dir
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    args = base_parser("01-single-gpu", "test").parse_args(["--cache-dir", "~/cache"])
+    assert args.cache_dir == str(tmp_path / "cache")
+    monkeypatch.setenv("LLM_GUIDE_CACHE", "~/cache")
+    assert default_cache_dir() == tmp_path / "cache" and not (tmp_path / "~").exists()
+
+
 @pytest.mark.parametrize("workspace", [None, ":4096:8", ":16:8", ":0:0", ""])
 def test_deterministic_refuses_a_cublas_workspace_that_varies_its_sums(tmp_path, capsys, monkeypatch,
                                                                        workspace):
