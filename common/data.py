@@ -24,6 +24,7 @@ import hashlib
 import itertools
 import json
 import os
+import re
 import shutil
 import socket
 import sys
@@ -508,7 +509,10 @@ def write_token_files(path: Path, tokenize, tok, meta: dict, val_fraction: float
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".tmp-{path.name}-"))
+        remove_stale_builds(path.parent)
+        # named by host and pid, so that a later run can tell a killed build's leftovers
+        tmp = Path(tempfile.mkdtemp(dir=path.parent,
+                                    prefix=f".tmp-{path.name}-{socket.gethostname()}-{os.getpid()}-"))
         (tmp / "scratch").mkdir()
     except OSError as e:
         raise cache_unwritable(path.parent, e) from None
@@ -539,6 +543,24 @@ def write_token_files(path: Path, tokenize, tok, meta: dict, val_fraction: float
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def remove_stale_builds(cache_dir: Path) -> None:
+    """Remove the temporary folders of token-file builds that were killed (SIGKILL, a
+    SIGTERM's default end: no `finally` ran), by processes of this host that are gone: a
+    big corpus's scratch would otherwise stay in the cache for good. A build elsewhere
+    (a shared cache) or alive is left alone."""
+    host = socket.gethostname()
+    for tmp in cache_dir.glob(".tmp-tokens-*"):
+        found = re.fullmatch(r"\.tmp-tokens-[0-9a-f]+-(.+)-(\d+)-[^-]+", tmp.name)
+        if not found or found[1] != host:
+            continue
+        try:
+            os.kill(int(found[2]), 0)
+        except ProcessLookupError:
+            shutil.rmtree(tmp, ignore_errors=True)
+        except (PermissionError, OverflowError):
+            pass  # alive (another user's), or no pid at all
 
 
 def _open_token_files(path: Path) -> tuple[Documents, Documents]:

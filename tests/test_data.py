@@ -4,6 +4,7 @@ one-line DataError. Small temporary corpora and a 300-token vocabulary keep it f
 from __future__ import annotations
 
 import json
+import os
 import sysconfig
 import time
 from pathlib import Path
@@ -362,6 +363,29 @@ def test_a_disk_that_fills_while_a_local_corpus_is_tokenized_is_one_line(tmp_pat
     one_line(err)
     left = sorted(p.name for p in cache.iterdir())
     assert len(left) == 1 and left[0].startswith("tokenizer-"), left
+
+
+def test_a_killed_builds_leftovers_are_removed_by_the_next_build(tmp_path):
+    """A build killed without its `finally` (SIGKILL, a SIGTERM's default end) leaves its
+    temporary folder, scratch included: the next build on this host removes it once its
+    process is gone; one whose process lives (or of another host) stays."""
+    import socket
+    import subprocess
+    import sys
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    host, cache = socket.gethostname(), tmp_path / "cache"
+    dead = cache / f".tmp-tokens-0123456789abcdef-{host}-{gone.pid}-k1ll3d_x"
+    alive = cache / f".tmp-tokens-0123456789abcdef-{host}-{os.getpid()}-4l1ve_xx"
+    elsewhere = cache / f".tmp-tokens-0123456789abcdef-not-{host}-{gone.pid}-0th3r_xx"
+    for d in (dead, alive, elsewhere):
+        (d / "scratch").mkdir(parents=True)
+        (d / "scratch" / "ids.arrow").write_bytes(b"\0" * 1000)
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("def f(x):\n    return x + 1\n" * 50)
+    build_datasets(str(corpus), 16, vocab_size=300, cache_dir=cache)
+    assert not dead.exists() and alive.exists() and elsewhere.exists()
 
 
 @pytest.mark.parametrize("damage", ["truncated", "offsets", "meta"])
