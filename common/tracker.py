@@ -55,7 +55,6 @@ class Tracker:
                 write_jsonl(path, [r for r in read_metrics(path)
                                    if isinstance(r.get("step"), int) and r["step"] <= start_step])
             self.writer = MetricsWriter(path, append=start_step > 0)
-        self.writer_path = self.run_dir / "metrics.jsonl"
         # Real (non-pad) target tokens: with --padded, tokens/s counts the padding too, so
         # the real count is kept beside it. Added up on the device (no wait per step) and
         # read at log time, when the loss is read anyway.
@@ -124,10 +123,11 @@ class Tracker:
             try:
                 self.writer.write(record)
             except OSError as e:  # the disk filled up mid-run: one line, not a traceback
+                path = self.writer.path
                 self.writer.discard()
                 self.writer = None
                 self.close()
-                fail(f"writing {self.writer_path} failed ({one_line(e)}); free some space and run "
+                fail(f"writing {path} failed ({one_line(e)}); free some space and run "
                      f"again", status=1)
             self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
             real = f" ({record['real_tokens_per_s']:,.0f} real)" if self.padded else ""
