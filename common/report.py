@@ -489,7 +489,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     paths = args.run_dirs or [str(DEFAULT_SAVE_DIR)]
     if args.out:
-        out = Path(args.out)
+        out = Path(args.out).expanduser()  # '~/report' quoted: the home folder, as the shell would
     elif len(args.run_dirs) == 1:
         out = Path(args.run_dirs[0])
         out = out.parent if out.is_file() else out

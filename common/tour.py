@@ -132,7 +132,8 @@ def parse_args(argv=None, gpus: int | None = None) -> argparse.Namespace:
     if "04-checkpointing" in args.chapter_list and sizes.steps < 3:
         raise UsageError(f"--steps {sizes.steps}: chapter 04 needs at least 3 (a checkpoint, "
                          f"then a crash, then the resumed run)")
-    out = Path(args.out) if args.out else DEFAULT_SAVE_DIR / f"tour-{time.strftime('%Y%m%d-%H%M%S')}"
+    # '~/tour' quoted means the home folder, as the shell would (not a folder named '~')
+    out = Path(args.out).expanduser() if args.out else DEFAULT_SAVE_DIR / f"tour-{time.strftime('%Y%m%d-%H%M%S')}"
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UsageError(f"--out {str(out)!r} already exists and is not an empty folder; "
                          f"choose another or remove it")

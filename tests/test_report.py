@@ -385,3 +385,12 @@ def test_busy_and_padded_runs_are_marked_in_the_plot_as_in_the_table(tmp_path, c
     cols = header(capsys.readouterr().out)
     assert "real tokens/s" in cols
     assert_png(tmp_path / "out" / "tokens_per_s.png")
+
+
+def test_a_quoted_tilde_in_out_is_the_home_folder(runs_dir, tmp_path, monkeypatch, capsys):
+    """--out '~/report' (quoted) means the home folder, as --save-dir does, not a folder
+    named '~' in the current one."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    assert report.main([str(runs_dir), "--out", "~/report"]) == 0
+    assert (tmp_path / "report" / "report.md").is_file() and not (tmp_path / "~").exists()

@@ -270,3 +270,12 @@ def test_chapter_05_tables_cover_every_file_its_scripts_write():
     assert {name for name, _, _ in tour.CHAPTER_05_TABLES} == set(written.values())
     plan = tour.build_plan(tour.parse_args(["--chapters", "05", "--out", "/nonexistent/t"], gpus=0))
     assert {s.name for s in plan} == {"05-collectives-demo", *written}
+
+
+def test_a_quoted_tilde_in_out_is_the_home_folder(tmp_path, monkeypatch):
+    """--out '~/tour' (quoted, so the shell left it alone) means the home folder, as
+    --save-dir does: the tour wrote into a folder named '~' in the current one."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    args = tour.parse_args(["--out", "~/tour", "--chapters", "01"], gpus=0)
+    assert args.out_dir == tmp_path / "tour" and not (tmp_path / "~").exists()
