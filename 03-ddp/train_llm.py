@@ -27,8 +27,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.cli import base_parser, positive_int, setup_logging  # noqa: E402
 from common.data import IGNORE_INDEX, build_datasets, check_enough_samples, dataset_info, local_rank0_first  # noqa: E402
-from common.distributed import DDP_NO_BUFFER_SYNC, backend_for, first_error, gc_and_destroy_process_group, \
-    patient_group  # noqa: E402
+from common.distributed import DDP_NO_BUFFER_SYNC, backend_for, first_error, gc_and_destroy_process_group  # noqa: E402
 from common.durable import final_write  # noqa: E402
 from common.environment import environment_info, exit_with_launcher, set_tf32, share_cpu_threads  # noqa: E402
 from common.errors import fail, run_main  # noqa: E402
@@ -234,18 +233,15 @@ def main():
              f"{val_loss:.4f}" if val_loss is not None else "n/a", val_batches)
     log.info("sample:\n%s", sample(raw_model, data, device, autocast, args.seed))
     # One writer (the bare module's weights load into a plain model), whole or absent;
-    # its failure (a full disk) reaches every rank, so all stop with its one line. The
-    # others wait for rank 0's writes (and the device's peak, measured on first use) on a
-    # group whose waits --timeout, meant for collectives, does not cut short.
-    patient = patient_group()
+    # its failure (a full disk) reaches every rank, so all stop with its one line.
     error = final_write(run_dir / "model.pt", lambda f: torch.save(raw_model.state_dict(), f)) \
         if rank == 0 else None
-    error = first_error(error, patient)
+    error = first_error(error)
     if error:
         fail(error, status=1)
     tracker.finish(final_loss=loss_sum.item(), val_loss=val_loss)
     if distributed:
-        dist.barrier(group=patient)  # nobody leaves while rank 0 may still need the group
+        dist.barrier()  # nobody leaves while rank 0 may still need the group
         del model  # DDP's reducer holds the group: free it first
         gc_and_destroy_process_group()
 
