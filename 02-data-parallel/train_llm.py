@@ -24,11 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.cli import base_parser, cuda_device_ids, no_compile_under_data_parallel, positive_int, setup_logging  # noqa: E402
 from common.data import IGNORE_INDEX, build_datasets, check_enough_samples, dataset_info, local_rank0_first  # noqa: E402
 from common.environment import environment_info, exit_with_launcher, set_tf32, share_cpu_threads  # noqa: E402
-from common.durable import final_write  # noqa: E402
-from common.errors import fail, run_main  # noqa: E402
+from common.errors import run_main  # noqa: E402
 from common.masks import build_attention_mask  # noqa: E402
 from common.model import LlamaForCausalLM, describe, flops_per_token, get_config, num_parameters  # noqa: E402
-from common.runfolder import claim_run_folder  # noqa: E402
+from common.runfolder import claim_run_folder, save_weights  # noqa: E402
 from common.tracker import Tracker  # noqa: E402
 from common.training import build_optimizer, evaluate, lr_lambda, sample  # noqa: E402
 
@@ -224,10 +223,7 @@ def main():
     log.info("validation loss %s over %d batches",
              f"{val_loss:.4f}" if val_loss is not None else "n/a", val_batches)
     log.info("sample:\n%s", sample(model, data, device, autocast, args.seed))
-    # whole or absent: a full disk stops with one line, never a truncated model.pt
-    error = final_write(run_dir / "model.pt", lambda f: torch.save(model.state_dict(), f))
-    if error:
-        fail(error, status=1)
+    save_weights(run_dir / "model.pt", model)  # whole or absent: a full disk is one line
     tracker.finish(final_loss=loss_sum.item(), val_loss=val_loss)
 
 

@@ -35,12 +35,11 @@ from common.cli import base_parser, checkpoint_folder, non_negative_int, positiv
 from common.checkpoint_folder import run_settings  # noqa: E402
 from common.data import IGNORE_INDEX, build_datasets, check_enough_samples, dataset_info, local_rank0_first  # noqa: E402
 from common.distributed import DDP_NO_BUFFER_SYNC, backend_for, gc_and_destroy_process_group, init_process_group_for_restarts  # noqa: E402
-from common.durable import atomic_write  # noqa: E402
 from common.environment import environment_info, exit_with_launcher, set_tf32, share_cpu_threads  # noqa: E402
 from common.errors import run_main  # noqa: E402
 from common.masks import build_attention_mask  # noqa: E402
 from common.model import LlamaForCausalLM, describe, flops_per_token, get_config, num_parameters  # noqa: E402
-from common.runfolder import archive_run, claim_run_folder  # noqa: E402
+from common.runfolder import archive_run, claim_run_folder, save_weights  # noqa: E402
 from common.tracker import Tracker  # noqa: E402
 from common.training import build_optimizer, evaluate, lr_lambda, sample  # noqa: E402
 
@@ -331,8 +330,8 @@ def main():
     log.info("validation loss %s over %d batches",
              f"{val_loss:.4f}" if val_loss is not None else "n/a", val_batches)
     log.info("sample:\n%s", sample(raw_model, data, device, autocast, args.seed))
-    if rank == 0:  # one writer; the bare module's weights load into a plain model
-        atomic_write(run_dir / "model.pt", lambda f: torch.save(raw_model.state_dict(), f))
+    # one writer; the bare module's weights load into a plain model; all hear its failure
+    save_weights(run_dir / "model.pt", raw_model, writer=rank == 0)
     tracker.finish(final_loss=loss_sum.item(), val_loss=val_loss)
     if distributed:
         dist.barrier()  # nobody leaves while rank 0 may still need the group

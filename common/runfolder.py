@@ -13,6 +13,7 @@
   lease ends (about 90 s), and the refusal says so.
 - `release_run_folders`: give them up (at exit, on its own).
 - `archive_run`: move a previous run's files into `archive-<time>/` (chapter 04's --fresh).
+- `save_weights`: the run's final `model.pt`, whole or absent, its failure heard by every rank.
 """
 
 from __future__ import annotations
@@ -27,7 +28,10 @@ import socket
 import time
 from pathlib import Path
 
+import torch
+
 from .distributed import first_error
+from .durable import final_write
 from .errors import fail
 
 OWNER_FILE = ".owner"
@@ -254,3 +258,13 @@ def archive_run(run_dir: Path, keep: str | None = None) -> Path | None:
     for item in items:
         os.rename(item, archive / item.name)
     return archive
+
+
+def save_weights(path: Path, model: torch.nn.Module, *, writer: bool = True) -> None:
+    """The run's final weights (`model.state_dict()`), written by `writer` (rank 0) whole
+    or not at all, never a truncated file a later load would trust. A failed write (a full
+    disk) stops every rank with its one line: a collective when a process group exists."""
+    error = final_write(path, lambda f: torch.save(model.state_dict(), f)) if writer else None
+    error = first_error(error)
+    if error:
+        fail(error, status=1)
