@@ -34,6 +34,7 @@ from .tables import markdown_table
 
 MODES = ("ddp", "zero1", "zero2", "zero3", "fsdp2")
 STEP_COUNTER = 4  # bytes: AdamW's `step`, one fp32 scalar per tensor it updates
+MAX_RANKS = 1_000_000  # ten times the largest training clusters; a plan for 1 M ranks takes seconds
 CHECKPOINT_PER_PARAM = 12  # fp32 weights (or master copy) and AdamW's two moments
 TOKEN_ID, FP32 = 8, 4  # int64 token ids; fp32
 
@@ -309,6 +310,9 @@ def parse_args(argv=None):
             raise UsageError("a shape without --model-preset needs " +
                              ", ".join("--" + f.replace("_", "-") for f in missing))
         args.world = args.gpus_per_node * args.nodes
+        if args.world > MAX_RANKS:  # the plan counts each rank's shards: a loop per rank
+            raise UsageError(f"{args.world:,} ranks ({args.nodes} node(s) x {args.gpus_per_node}): "
+                             f"the plan handles at most {MAX_RANKS:,}")
         if args.global_batch_size is not None:
             if args.batch_size is not None:
                 raise UsageError("give --batch-size (per rank) or --global-batch-size, not both")

@@ -162,6 +162,7 @@ def test_the_command_prints_the_three_tables(capsys):
     (["--model-preset", "huge"], "unknown 'huge'"),
     (["--gpus-per-node", "8", "--nodes", "3", "--global-batch-size", "36"], "not divisible by the 24 ranks"),
     (["--batch-size", "2", "--global-batch-size", "16"], "not both"),
+    (["--gpus-per-node", "100000000", "--nodes", "100000000"], "the plan handles at most 1,000,000"),
     (["--params", "7e9", "--model-preset", "large"], "--params stands for the whole model"),
     (["--layers", "32", "--hidden-size", "4096"], "needs --heads, --intermediate-size"),
     (["--model-preset", "tiny", "--heads", "5"], "not a valid model shape"),
