@@ -270,10 +270,16 @@ def getitem(self, i):
     reads.append((id(self), i))
     return real(self, i)
 data.PackedDataset.__getitem__ = getitem
-atexit.register(lambda: Path(__file__).with_name(f"order-{os.environ.get('RANK', '0')}.json").write_text(
-    json.dumps([i for d, i in reads if d == reads[0][0]])))
+def record():
+    if not done:
+        done.append(1)
+        Path(__file__).with_name(f"order-{os.environ.get('RANK', '0')}.json").write_text(
+            json.dumps([i for d, i in reads if reads and d == reads[0][0]]))
+done = []
+atexit.register(record)  # an exit from inside the script (sys.exit) too
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
+record()
 """
 
 
@@ -282,8 +288,10 @@ def training_order(folder: Path, launch, script: str, *args) -> list[list[int]]:
     first); `launch` is `python_cmd` or a `torchrun_cmd` with its process count bound."""
     probe = Path(folder) / "order_probe.py"
     probe.write_text(ORDER_PROBE)
-    run(launch(probe, REPO / script, *args))
-    return [json.loads(p.read_text()) for p in sorted(Path(folder).glob("order-*.json"))]
+    proc = run(launch(probe, REPO / script, *args))
+    orders = sorted(Path(folder).glob("order-*.json"))
+    assert orders, f"no rank recorded its order:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return [json.loads(p.read_text()) for p in orders]
 
 
 def shuffled_epochs(n: int, seed: int, epochs: int, batch: int, world: int = 1) -> list[list[int]]:
