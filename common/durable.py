@@ -2,8 +2,6 @@
 
 - `fsync_write`, `fsync_dir`: a rename is only as durable as what it renames.
 - `atomic_write`: a file replaced whole or not at all (the final weights, the summary).
-- `final_write`: `atomic_write` for a run's last files, a failed write (a full disk) as
-  the one line to stop with instead of a traceback.
 - `hashed_write`: `fsync_write` that also returns the SHA-256 of the bytes as they are
   written (`HashingFile`), so a checksum never costs reading the file back.
 - `write_manifest`, `verify_manifest`: `manifest.json` holds a checkpoint's metadata and a
@@ -74,23 +72,6 @@ def atomic_write(path, write):
     finally:
         tmp.unlink(missing_ok=True)
     fsync_dir(path.parent)
-
-
-def final_write(path, write) -> str | None:
-    """`atomic_write`, returning None, or the one line a failed write stops the run with
-    (a full disk above all): the file is whole or absent, never a truncated model.pt a
-    later load would trust. Another error is raised again."""
-    path = Path(path)
-    try:
-        atomic_write(path, write)
-    except (OSError, RuntimeError) as e:  # torch.save's zip writer says ENOSPC as RuntimeError
-        if is_disk_full(e, path.parent):
-            return (f"disk full while saving {path} ({shutil.disk_usage(path.parent).free / 2**20:,.1f} MB "
-                    f"free): it was not written; free some space and run again")
-        if isinstance(e, OSError):
-            return f"writing {path} failed ({one_line(e)})"
-        raise
-    return None
 
 
 def fsync_dir(path):

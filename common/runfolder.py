@@ -24,6 +24,7 @@ import fcntl
 import logging
 import os
 import re
+import shutil
 import socket
 import time
 from pathlib import Path
@@ -31,7 +32,7 @@ from pathlib import Path
 import torch
 
 from .distributed import first_error
-from .durable import final_write
+from .durable import atomic_write, is_disk_full, one_line
 from .errors import fail
 
 OWNER_FILE = ".owner"
@@ -264,7 +265,18 @@ def save_weights(path: Path, model: torch.nn.Module, *, writer: bool = True) -> 
     """The run's final weights (`model.state_dict()`), written by `writer` (rank 0) whole
     or not at all, never a truncated file a later load would trust. A failed write (a full
     disk) stops every rank with its one line: a collective when a process group exists."""
-    error = final_write(path, lambda f: torch.save(model.state_dict(), f)) if writer else None
+    path, error = Path(path), None
+    if writer:
+        try:
+            atomic_write(path, lambda f: torch.save(model.state_dict(), f))
+        except (OSError, RuntimeError) as e:  # torch.save's zip writer says ENOSPC as RuntimeError
+            if is_disk_full(e, path.parent):
+                error = (f"disk full while saving {path} ({shutil.disk_usage(path.parent).free / 2**20:,.1f} "
+                         f"MB free): it was not written; free some space and run again")
+            elif isinstance(e, OSError):
+                error = f"writing {path} failed ({one_line(e)})"
+            else:
+                raise
     error = first_error(error)
     if error:
         fail(error, status=1)

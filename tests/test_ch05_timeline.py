@@ -90,20 +90,27 @@ def test_reading_a_cpu_trace():
     assert figures["overlap_fraction"] == pytest.approx(1.5 / 4)
 
 
-def test_reading_a_gpu_trace():
-    """nccl kernels against the other kernels, each charged to the phase that launched it
-    (a kernel launched in forward does not count, even if it runs during backward)."""
-    trace = {"traceEvents": [
+def gpu_step(*collective):
+    """A traced GPU step: forward and backward each launch one kernel (a gemm), plus the
+    `collective` events."""
+    return {"traceEvents": [
         x("step", 0, 10000, cat="user_annotation"),
         x("forward", 0, 3000, cat="user_annotation"),
         x("backward", 3000, 5000, cat="user_annotation"),
         x("cudaLaunchKernel", 2900, 10, cat="cuda_runtime", correlation=1),
         x("cudaLaunchKernel", 3100, 10, cat="cuda_runtime", correlation=2),
-        x("cudaLaunchKernel", 3200, 10, cat="cuda_runtime", correlation=3),
         x("gemm_fwd", 3000, 1000, tid=20, cat="kernel", correlation=1),
         x("gemm_bwd", 4000, 2000, tid=20, cat="kernel", correlation=2),
+        *collective]}
+
+
+def test_reading_a_gpu_trace():
+    """nccl kernels against the other kernels, each charged to the phase that launched it
+    (a kernel launched in forward does not count, even if it runs during backward)."""
+    trace = gpu_step(
+        x("cudaLaunchKernel", 3200, 10, cat="cuda_runtime", correlation=3),
         x("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevComm*)", 3500, 3000, tid=30, cat="kernel",
-          correlation=3)]}
+          correlation=3))
     step = timeline.read_step(trace)
     assert step.collectives == [("AllReduce", 3.5, 6.5)]
     assert step.compute["backward"] == [(4.0, 6.0)] and step.compute["forward"] == [(3.0, 4.0)]
@@ -114,15 +121,7 @@ def test_reading_a_gpu_trace_of_gloo():
     """Ranks sharing a GPU over gloo (LLM_GUIDE_BACKEND=gloo): the collectives are gloo's
     ranges on its thread, as on a CPU, though no nccl kernel ran; computation is still
     the kernels."""
-    trace = {"traceEvents": [
-        x("step", 0, 10000, cat="user_annotation"),
-        x("forward", 0, 3000, cat="user_annotation"),
-        x("backward", 3000, 5000, cat="user_annotation"),
-        x("cudaLaunchKernel", 2900, 10, cat="cuda_runtime", correlation=1),
-        x("cudaLaunchKernel", 3100, 10, cat="cuda_runtime", correlation=2),
-        x("gemm_fwd", 3000, 1000, tid=20, cat="kernel", correlation=1),
-        x("gemm_bwd", 4000, 2000, tid=20, cat="kernel", correlation=2),
-        x("gloo:all_reduce", 5000, 2000, tid=2, cat="user_annotation")]}
+    trace = gpu_step(x("gloo:all_reduce", 5000, 2000, tid=2, cat="user_annotation"))
     step = timeline.read_step(trace)
     assert step.collectives == [("all_reduce", 5.0, 7.0)]
     assert step.compute["backward"] == [(4.0, 6.0)] and step.compute["forward"] == [(3.0, 4.0)]
