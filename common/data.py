@@ -262,11 +262,21 @@ def cache_unwritable(folder: Path, e: OSError) -> DataError:
                      f"or point --cache-dir (or $LLM_GUIDE_CACHE) at a writable folder")
 
 
+def as_if_created(path, folder: bool = False) -> None:
+    """Give a file or folder from `tempfile` (private to its owner: 0600, 0700) the mode
+    a plain open() or mkdir() would, as the umask allows (0644, 0755 under the usual 022):
+    a cache shared by several users or jobs stays readable by all of them."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, (0o777 if folder else 0o666) & ~mask)
+
+
 def _atomic_write_text(path: Path, text: str) -> None:
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".tmp")
+        as_if_created(tmp)
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.replace(tmp, path)
@@ -513,6 +523,7 @@ def write_token_files(path: Path, tokenize, tok, meta: dict, val_fraction: float
         # named by host and pid, so that a later run can tell a killed build's leftovers
         tmp = Path(tempfile.mkdtemp(dir=path.parent,
                                     prefix=f".tmp-{path.name}-{socket.gethostname()}-{os.getpid()}-"))
+        as_if_created(tmp, folder=True)
         (tmp / "scratch").mkdir()
     except OSError as e:
         raise cache_unwritable(path.parent, e) from None

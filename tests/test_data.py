@@ -388,6 +388,25 @@ def test_a_killed_builds_leftovers_are_removed_by_the_next_build(tmp_path):
     assert not dead.exists() and alive.exists() and elsewhere.exists()
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_the_cache_has_the_modes_the_umask_gives(tmp_path, umask):
+    """Built under temporary names (`tempfile`: owner only), the tokenizer and the token
+    folder end with the modes a plain write would give them: under umask 022 another user
+    sharing the cache reads them; under 077 nobody else does."""
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("def f(x):\n    return x + 1\n" * 50)
+    before = os.umask(umask)
+    try:
+        build_datasets(str(corpus), 16, vocab_size=300, cache_dir=tmp_path / "cache")
+    finally:
+        os.umask(before)
+    made = sorted((tmp_path / "cache").rglob("*"))
+    assert any(p.name.startswith("tokenizer-") for p in made) and any(p.name == "meta.json" for p in made)
+    for p in made:
+        want = (0o777 if p.is_dir() else 0o666) & ~umask
+        assert p.stat().st_mode & 0o777 == want, (p, oct(p.stat().st_mode))
+
+
 @pytest.mark.parametrize("damage", ["truncated", "offsets", "meta"])
 def test_a_damaged_token_cache_says_how_to_rebuild_it(tmp_path, damage):
     corpus = tmp_path / "c.txt"
