@@ -123,6 +123,16 @@ def test_ddp_equals_single_process_with_the_global_batch(ddp, ch01_b16):
     assert_same_training(run_dir, ch01_b16)
 
 
+def test_on_4_ranks_ddp_equals_single_process_too(save_dir, ch01_b16):
+    """4 processes x batch 4: each rank's share of the global batch of 16 is a quarter,
+    and the all-reduce averages four partial gradients, added in another order than one
+    process adds them; still the same training, within the same bounds as on 2 ranks."""
+    run(torchrun_cmd(4, SCRIPT, *train_args(save_dir, "ddp-4x4", 4)))
+    summary = read_json(save_dir / "ddp-4x4" / "summary.json")
+    assert (summary["world_size"], summary["global_batch_size"]) == (4, 16)
+    assert_same_training(save_dir / "ddp-4x4", ch01_b16)
+
+
 def test_grad_accumulation_equals_the_larger_batch(accum, ch01_b16):
     assert_same_training(accum[1], ch01_b16)
 
