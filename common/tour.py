@@ -133,13 +133,23 @@ def parse_args(argv=None, gpus: int | None = None) -> argparse.Namespace:
         raise UsageError(f"--steps {sizes.steps}: chapter 04 needs at least 3 (a checkpoint, "
                          f"then a crash, then the resumed run)")
     # '~/tour' quoted means the home folder, as the shell would (not a folder named '~')
-    out = Path(args.out).expanduser() if args.out else DEFAULT_SAVE_DIR / f"tour-{time.strftime('%Y%m%d-%H%M%S')}"
+    out = Path(args.out).expanduser() if args.out else unused_default_out()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UsageError(f"--out {str(out)!r} already exists and is not an empty folder; "
                          f"choose another or remove it")
     check_writable_folder(out, "--out")  # read-only or under a file: say so now, not at the end
     args.out_dir = out.resolve()
     return args
+
+
+def unused_default_out() -> Path:
+    """outputs/tour-<timestamp>, or -2, -3, ... after it when a tour started in the same
+    second has that name."""
+    base = DEFAULT_SAVE_DIR / f"tour-{time.strftime('%Y%m%d-%H%M%S')}"
+    n = 1
+    while (out := base if n == 1 else base.with_name(f"{base.name}-{n}")).exists():
+        n += 1
+    return out
 
 
 def crash_plan(steps: int) -> tuple[int, int]:
@@ -475,7 +485,15 @@ def main(argv=None) -> int:
             print(f"[{index[st.chapter]}/{total}] {st.chapter}: {st.display}{flag}")
         return 0
 
-    args.out_dir.mkdir(parents=True, exist_ok=True)
+    while True:
+        try:  # a default name is created here or not at all: two tours never share one
+            args.out_dir.mkdir(parents=True, exist_ok=args.out is not None)
+            break
+        except FileExistsError:  # another tour took it since parse_args: the next free one
+            if args.out is not None:
+                raise
+            args.out_dir = unused_default_out().resolve()
+            plan = build_plan(args)
     print(f"tour of {total} chapter(s) into {_rel(args.out_dir)}: preset {args.sizes.preset}, "
           f"seq {args.sizes.seq_length}, batch {args.sizes.batch_size} per process, "
           f"{args.sizes.steps} steps, {args.sizes.nproc} process(es) for torchrun chapters"

@@ -154,6 +154,33 @@ def test_non_empty_out_is_refused_and_dry_run_runs_nothing(tmp_path, capsys):
     assert not fresh.exists()
 
 
+def test_tours_started_in_the_same_second_get_folders_of_their_own(tmp_path, monkeypatch, capsys):
+    """The default folder is named by the second: a tour that finds it taken (at parse
+    time, or created by another tour after that) takes the next free name, -2, -3, ...,
+    and never writes into the other's."""
+    monkeypatch.setattr(tour, "DEFAULT_SAVE_DIR", tmp_path)
+    monkeypatch.setattr(tour.time, "strftime", lambda fmt: "20990101-000000")
+    first = tmp_path / "tour-20990101-000000"
+    first.mkdir()
+    (first / "01-single-gpu.log").write_text("the other tour's")
+    assert tour.parse_args([]).out_dir == tmp_path / "tour-20990101-000000-2"
+
+    plans = []
+
+    def plan_of_a_tour_that_loses_the_race(args):
+        if not plans:  # another tour creates this name between parse_args and mkdir
+            args.out_dir.mkdir()
+        plans.append(args.out_dir)
+        return [tour.Step("01-single-gpu", "01-single-gpu", [sys.executable, "-c", "pass"], "python -c pass")]
+
+    monkeypatch.setattr(tour, "build_plan", plan_of_a_tour_that_loses_the_race)
+    assert tour.main(["--chapters", "01", "--quiet"]) == 0
+    assert plans == [tmp_path / "tour-20990101-000000-2", tmp_path / "tour-20990101-000000-3"]
+    assert (tmp_path / "tour-20990101-000000-3" / "01-single-gpu.log").exists()
+    assert not any((tmp_path / "tour-20990101-000000-2").iterdir())
+    assert (first / "01-single-gpu.log").read_text() == "the other tour's"
+
+
 def test_failing_chapter_stops_the_tour_and_says_where(tmp_path, monkeypatch, capsys):
     """A failure names the chapter, its exit status, the command and its log, and later
     chapters do not run."""
