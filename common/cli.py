@@ -269,7 +269,7 @@ def check_run_folder(args, name_prefix: str, *, must_be_new: bool = True) -> Non
     folder name, a save dir that is a folder, and (unless resuming) no earlier results
     in <save-dir>/<experiment-name> to overwrite. Raises UsageError."""
     if args.experiment_name is None:
-        args.experiment_name = default_run_name(name_prefix)
+        args.experiment_name = default_run_name(name_prefix, Path(os.path.expanduser(args.save_dir)))
     if not re.fullmatch(r"[A-Za-z0-9._-]+", args.experiment_name) or args.experiment_name in (".", ".."):
         raise UsageError(f"--experiment-name {args.experiment_name!r} must use only letters, "
                          f"digits, '.', '_' and '-'")
@@ -310,14 +310,20 @@ def check_writable_folder(path: str | os.PathLike, flag: str) -> None:
         raise UsageError(f"{flag} {str(path)!r}: cannot write in {str(existing)!r} "
                          f"({e.strerror or e})") from None
 
-def default_run_name(prefix: str) -> str:
-    """`<prefix>-<timestamp>`; under torchrun `<prefix>-<job id>` instead, which every rank
+def default_run_name(prefix: str, save_dir: Path) -> str:
+    """`<prefix>-<timestamp>` (-2, -3, ... after it when a run of the same second has that
+    folder in `save_dir`); under torchrun `<prefix>-<job id>` instead, which every rank
     of every machine agrees on and which stays the same across restarts (--standalone
     makes a random id per job; --rdzv-id names it)."""
     job = os.environ.get("TORCHELASTIC_RUN_ID", "")
     if job and job != "none":
         return f"{prefix}-{re.sub(r'[^A-Za-z0-9._-]+', '-', job)[:36].strip('-.') or 'job'}"
-    return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
+    name = stamped = f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
+    n = 1
+    while (save_dir / name).exists():
+        n += 1
+        name = f"{stamped}-{n}"
+    return name
 
 
 def check_device(device: str) -> None:

@@ -40,6 +40,18 @@ def test_defaults_are_accepted_and_create_nothing(tmp_path, monkeypatch):
     assert not (tmp_path / "outputs").exists()
 
 
+def test_runs_started_in_the_same_second_get_folders_of_their_own(tmp_path, monkeypatch):
+    """The default name is the second the run starts: a run that finds that folder taken
+    (a short run just before, in the same second) takes -2, -3, ... instead of being
+    refused a name it did not choose."""
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setattr("common.cli.time.strftime", lambda fmt: "20990101-000000")
+    (tmp_path / "01-single-gpu-20990101-000000").mkdir(parents=True)
+    assert parse(tmp_path).experiment_name == "01-single-gpu-20990101-000000-2"
+    (tmp_path / "01-single-gpu-20990101-000000-2").mkdir()
+    assert parse(tmp_path).experiment_name == "01-single-gpu-20990101-000000-3"
+
+
 def test_under_torchrun_the_default_name_is_the_job_id(tmp_path, monkeypatch):
     """Every rank, and every restart of the job, agrees on it (a timestamp would not)."""
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "llm run/1")
