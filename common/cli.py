@@ -147,7 +147,8 @@ def base_parser(chapter: str, description: str, *, distributed: bool = False,
     p = Parser(description=description)
     p.set_defaults(chapter=chapter)
     p.add_argument("--experiment-name", default=None,
-                   help="run id and output folder name (default: <chapter>-<timestamp>)")
+                   help="run id and output folder name (default: <chapter>-<timestamp>; under "
+                        "torchrun <chapter>-<job id>, the same on every rank and restart)")
     g = p.add_argument_group("data")
     g.add_argument("--dataset-name", default="stdlib",
                    help="'stdlib' (embedded, offline), a Hugging Face hub id, or a local "
@@ -346,7 +347,7 @@ def script_parser(name: str, description: str, *, min_world: int = 2,
                   run_folder: bool = True, training: bool = False) -> Parser:
     """The flags and checks the demo scripts (chapter 05's, chapter 03's debug_hang.py)
     share: torchrun with at least `min_world` processes, --timeout, (if `run_folder`)
-    --save-dir and --experiment-name (default `<name>-<timestamp>`), and (if `training`)
+    --save-dir and --experiment-name (default `<name>-<job id>`), and (if `training`)
     the model and data flags of the scripts that train: --model-preset, --seq-length,
     --batch-size, --lr, --seed, --dataset-name."""
     p = Parser(description=description)
@@ -373,7 +374,8 @@ def script_parser(name: str, description: str, *, min_world: int = 2,
     if run_folder:
         p.add_argument("--save-dir", default=str(DEFAULT_SAVE_DIR), help="parent of the run folder")
         p.add_argument("--experiment-name", default=None,
-                       help=f"run folder name (default: {name}-<timestamp>)")
+                       help=f"run folder name (default: {name}-<job id>, torchrun's rendezvous id; "
+                            f"{name}-<timestamp> where the job has none)")
         p.checks.append(lambda args: check_run_folder(args, name))
 
     def check_torchrun(args):

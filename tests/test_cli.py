@@ -58,6 +58,14 @@ def test_under_torchrun_the_default_name_is_the_job_id(tmp_path, monkeypatch):
     assert parse(tmp_path).experiment_name == "01-single-gpu-llm-run-1"
 
 
+def test_the_help_gives_the_default_name_under_torchrun():
+    """--help says what a torchrun launch is named by default, as the READMEs do: the job
+    id, not a timestamp (chapters 03-05 always run under torchrun)."""
+    for parser in (base_parser("03-ddp", "test", distributed=True), script_parser("05-bench", "test")):
+        name = next(a for a in parser._actions if "--experiment-name" in a.option_strings)
+        assert "-<job id>" in name.help, name.help
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--batch-size", "0"], "argument --batch-size: must be a whole number >= 1 (got '0')"),
     (["--model-preset", "tiny", "--seq-length", "257"],
