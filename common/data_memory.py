@@ -170,6 +170,13 @@ def measure(tokens: int, nproc: int, root: Path, steps: int) -> list[dict]:
              **json.loads((ranks / f"rank-{r}.json").read_text())} for r in range(nproc)]
 
 
+def existing_folder(text: str) -> str:
+    """--work-dir: checked as it is parsed, not after the first measurement started."""
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an existing folder")
+    return text
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--rank-report"]:  # inside a rank, started by measure()
@@ -183,7 +190,9 @@ def main(argv=None):
     p.add_argument("--limit-mb", type=float, default=100.0,
                    help="exit 1 if any rank's peak, or a worker's own memory, grows more than this "
                         "from the baseline")
-    p.add_argument("--work-dir", default=None, help="scratch folder (default: a temporary one)")
+    p.add_argument("--work-dir", default=None, type=existing_folder,
+                   help="an existing folder to hold the scratch folder (default: the system's "
+                        "temporary folder)")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(dir=args.work_dir) as root:
         results = [measure(t, args.nproc_per_node, Path(root), args.steps) for t in args.tokens]

@@ -536,3 +536,14 @@ def test_a_large_local_corpus_is_tokenized_by_processes_with_a_progress_bar(corp
     assert "tokenizing" in capfd.readouterr().err                   # tqdm's bar, on stderr
     assert sorted(p.name for p in (tmp_path / "two").iterdir()) == [
         "ids_00000_of_00002.arrow", "ids_00001_of_00002.arrow"]     # each process's shard
+
+
+def test_data_memory_refuses_a_missing_work_dir_before_any_run(tmp_path, capsys):
+    """python -m common.data_memory --work-dir: a folder that is not there stops at parsing
+    (exit status 2, the flag named), not with a traceback from the temporary folder."""
+    from common.data_memory import main
+    with pytest.raises(SystemExit) as exit_:
+        main(["--work-dir", str(tmp_path / "nowhere")])
+    assert exit_.value.code == 2
+    assert "argument --work-dir" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
