@@ -359,8 +359,11 @@ def scratch_table(obj) -> str | None:
               "all_reduce calls/step", "max abs diff vs DDP")
     verdict = ("every mode matches DDP" if obj.get("passed")
                else "MISMATCH: " + "; ".join(obj.get("failures") or []))
+    steps, warmup = obj.get("steps"), obj.get("timing_warmup")
+    timed = (f"{steps} steps per mode, the first {min(warmup, steps - 1)} left out of the medians"
+             if isinstance(steps, int) and isinstance(warmup, int) else f"{steps} steps per mode")
     head = (f"{obj.get('world_size')} ranks, {obj.get('backend')}, {obj.get('device_name')}, "
-            f"preset {obj.get('model_preset')}, {obj.get('steps')} timed steps per mode: {verdict}")
+            f"preset {obj.get('model_preset')}, {timed}: {verdict}")
     return head + "\n\n" + markdown_table(header, rows, right=range(1, len(header)))
 
 

@@ -255,6 +255,7 @@ def test_ddp_from_scratch_equals_ddp_bit_for_bit_on_2_ranks(tmp_path):
     assert list(modes) == ["naive", "bucketed", "overlap", "ddp"]
     table = tour.scratch_table(result)  # the tour's report of this very file
     assert "every mode matches DDP" in table and "| bucketed " in table
+    assert "2 steps per mode, the first 1 left out of the medians" in table
     for mode in ("naive", "bucketed", "overlap"):
         m = modes[mode]
         # two ranks: a + b == b + a, so every mode adds exactly the same numbers
