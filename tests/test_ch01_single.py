@@ -13,6 +13,7 @@ from torch.utils.data import DistributedSampler
 
 from common.model import LlamaForCausalLM, get_config
 from common.summary import throughput_table
+from common.training import build_optimizer
 from conftest import CH01_STEPS, NO_GPU, REPO, SMALL_CORPUS_FLAGS, TINY, load_script, python_cmd, \
     read_json, read_jsonl, refused, run, shuffled_epochs, small_corpus, training_order
 
@@ -99,6 +100,25 @@ def test_lr_warms_up_then_decays_by_cosine_to_a_tenth_at_max_steps(smoke):
     assert decay[0] == 1.0 and all(a > b for a, b in zip(decay, decay[1:]))
     assert f(60) == pytest.approx(0.55)            # halfway down the cosine
     assert f(110) == pytest.approx(0.1) and f(500) == pytest.approx(0.1)
+
+
+def test_adamw_decays_the_matrices_only_with_betas_0_9_and_0_95():
+    """Part 7's optimizer: AdamW with betas (0.9, 0.95) and weight decay on matrices only.
+    A step with zero gradients moves a weight by its decay alone (Adam's term is 0): every
+    matrix shrinks by lr x weight decay, and the norm weights stay as they are."""
+    lr, weight_decay = 1e-2, 0.1
+    model = LlamaForCausalLM(get_config("tiny", 300))
+    optimizer = build_optimizer(model, lr, weight_decay, "cpu")
+    assert optimizer.defaults["betas"] == (0.9, 0.95)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    norms = [name for name, p in model.named_parameters() if p.dim() < 2]
+    assert norms and all("norm" in name for name in norms)
+    for name, p in model.named_parameters():
+        kept = 1.0 if name in norms else 1 - lr * weight_decay
+        torch.testing.assert_close(p.detach(), before[name] * kept, rtol=1e-6, atol=0, msg=name)
 
 
 @pytest.mark.parametrize("n, seed", [(10, 0), (97, 1), (1000, 1234)])
