@@ -260,6 +260,16 @@ def test_a_cpu_measurement_starts_small_and_stops_once_one_matmul_takes_a_second
     assert peak.measure_matmul_peak("cpu", "fp32") == 1e11 and seen == [128, 256, 512, 1024, 2048]
 
 
+def test_an_n_by_n_matmul_counts_2_n_cubed_flops_at_its_best_time(monkeypatch):
+    """A matmul of two n x n matrices is n^3 multiply-adds, 2 n^3 FLOPs; the peak is that
+    over the fastest timed call (the warm-up call untimed): here the clock says the three
+    timed calls took 3, 1 and 2 seconds."""
+    ticks = iter([0.0, 3.0, 3.0, 4.0, 4.0, 6.0])
+    monkeypatch.setattr(peak.time, "perf_counter", lambda: next(ticks))
+    assert peak.best_matmul_flops(64, torch.device("cpu"), "fp32", reps=3, budget_s=100) == 2 * 64**3 / 1.0
+    assert next(ticks, None) is None
+
+
 @pytest.mark.parametrize("bf16, fp32, device, noted", [
     (3e9, 173e9, "cpu", True),         # AVX2: bf16 emulated, far below fp32
     (400e9, 173e9, "cpu", False),      # a CPU with bf16 instructions (AMX): faster
