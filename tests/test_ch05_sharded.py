@@ -111,6 +111,28 @@ def test_memtracker_measures_zero3_without_a_warning(one_rank_group):
     assert peak > 0
     assert [str(w.message) for w in caught if issubclass(w.category, UserWarning)] == []
 
+def test_zero3_holds_a_modules_full_weights_only_while_it_computes(one_rank_group, monkeypatch):
+    """ZeRO-3 gathers a module's weights before its forward and frees them after it, and
+    gathers them again for its backward, freed once its gradients are reduce-scattered: at
+    every gather at most two modules are whole (in backward, the next one is gathered as
+    its output's gradient arrives, before the last one's weight gradients are all in),
+    and after the step none is."""
+    args = argparse.Namespace(seed=0, lr=1e-3)
+    trainer = sharded.TRAINERS["zero3"]("zero3", args, sharded.get_config("tiny", 300), one_rank_group,
+                                        torch.float32)
+    whole = []
+    gather = sharded.ShardedUnit.gather
+
+    def counted(unit):
+        gather(unit)
+        whole.append(sum(u.full.untyped_storage().size() > 0 for u in trainer.units))
+    monkeypatch.setattr(sharded.ShardedUnit, "gather", counted)
+    x = torch.randint(0, 300, (2, 16))
+    trainer.step(x, x)
+    assert len(whole) == 2 * len(trainer.units) and max(whole) <= 2, whole
+    assert all(u.full.untyped_storage().size() == 0 for u in trainer.units)
+
+
 def test_the_rounding_bound():
     """0 where the sum cannot change (2 ranks); otherwise proportional to lr and to the
     largest gradient; capped by what AdamW can move in a step; and Adam's |m/sqrt(v)|
