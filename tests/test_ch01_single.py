@@ -6,14 +6,19 @@ from __future__ import annotations
 
 import math
 import sys
+from contextlib import nullcontext
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 
+from common.data import IGNORE_INDEX
+from common.masks import build_attention_mask
 from common.model import LlamaForCausalLM, get_config
 from common.summary import throughput_table
-from common.training import build_optimizer
+from common.training import build_optimizer, evaluate
 from conftest import CH01_STEPS, NO_GPU, REPO, SMALL_CORPUS_FLAGS, TINY, load_script, python_cmd, \
     read_json, read_jsonl, refused, run, shuffled_epochs, small_corpus, training_order
 
@@ -119,6 +124,25 @@ def test_adamw_decays_the_matrices_only_with_betas_0_9_and_0_95():
     for name, p in model.named_parameters():
         kept = 1.0 if name in norms else 1 - lr * weight_decay
         torch.testing.assert_close(p.detach(), before[name] * kept, rtol=1e-6, atol=0, msg=name)
+
+
+def test_validation_loss_is_the_mean_over_every_real_target_token():
+    """evaluate: the loss per real target token over the --val-batches batches it reads
+    (a batch with fewer real targets weighs less: not a mean of the batches' means), with
+    padded batches masked, and the model back in training mode."""
+    torch.manual_seed(0)
+    model, pad = LlamaForCausalLM(get_config("tiny", 300)), 0
+    x = torch.randint(1, 300, (3, 2, 16))
+    x[0, :, 5:] = pad  # batch 0: 10 real targets; batch 1: 16 + 9
+    x[1, 1, 10:] = pad
+    y = torch.where(x.roll(-1, dims=-1) == pad, IGNORE_INDEX, x.roll(-1, dims=-1))
+    data = SimpleNamespace(packed=False, pad_id=pad)
+    loss, batches = evaluate(model, list(zip(x, y)), data, "cpu", nullcontext(), max_batches=2)
+    with torch.no_grad():
+        sums = [F.cross_entropy(model(xb, build_attention_mask(xb, pad)).flatten(0, 1), yb.flatten(),
+                                ignore_index=IGNORE_INDEX, reduction="sum") for xb, yb in zip(x[:2], y[:2])]
+    assert batches == 2 and loss == pytest.approx(float(sum(sums)) / int((y[:2] != IGNORE_INDEX).sum()), rel=1e-5)
+    assert model.training
 
 
 @pytest.mark.parametrize("n, seed", [(10, 0), (97, 1), (1000, 1234)])
