@@ -125,6 +125,26 @@ def test_local_corpus_errors(tmp_path):
     one_line(err)
 
 
+def test_an_edited_local_corpus_is_another_corpus(tmp_path):
+    """The caches are keyed by the corpus's identity: a file edited in place (to the same
+    size, too) or a file added makes another one, so the new text is tokenized rather
+    than the old text's cache read; an untouched corpus keeps its identity."""
+    root = write_files(tmp_path / "c", {"a.txt": "first text\n", "b.txt": "other\n"})
+
+    def identity():
+        return open_corpus(str(root)).identity
+    before = identity()
+    assert identity() == before
+    edited = root / "a.txt"
+    mtime = edited.stat().st_mtime_ns
+    edited.write_text("FIRST TEXT\n")
+    os.utime(edited, ns=(mtime, mtime + 1_000_000))  # a later mtime, whatever the clock's grain
+    assert identity() != before
+    after_edit = identity()
+    (root / "c.txt").write_text("a third\n")
+    assert identity() not in (before, after_edit)
+
+
 def test_unreachable_hub_fails_fast_with_one_line(monkeypatch):
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{free_port()}")  # nothing listens
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
