@@ -47,6 +47,19 @@ def test_bus_factors_are_the_nccl_tests_ones():
         f("all_to_all_v", 2)
 
 
+def test_a_collective_is_timed_per_call_after_untimed_warmup(one_rank_group, monkeypatch):
+    """The benchmark's time: --warmup calls untimed, then the seconds of --iters calls per
+    call (here each call takes 0.5 s of a fake clock)."""
+    clock, calls = [0.0], []
+
+    def call():
+        calls.append(clock[0])
+        clock[0] += 0.5
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+    assert bench.time_call(call, iters=4, warmup=3, device=torch.device("cpu")) == 0.5
+    assert len(calls) == 7
+
+
 def test_buckets_are_reversed_capped_and_cover_every_parameter():
     params = [torch.nn.Parameter(torch.zeros(n)) for n in (100, 300, 50, 1000, 20)]
     mib = 400 * 4 / 2**20  # room for 400 fp32 values
