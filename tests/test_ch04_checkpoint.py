@@ -192,7 +192,9 @@ def test_run_settings_name_the_flags_the_data_and_the_format():
     s = run_settings(args, 16, "abc", checkpoint.FORMAT_VERSION)
     assert s["global batch"] == 16 and s["data fingerprint"] == "abc"
     assert s["format version"] == checkpoint.FORMAT_VERSION
-    assert {"model_preset", "vocab_size", "seq_length", "lr", "seed"} <= set(s)
+    # the README's list: lr, preset, vocabulary, sequence length, dataset, seed, schedule length
+    assert {"lr", "model_preset", "vocab_size", "seq_length", "dataset_name", "seed",
+            "warmup_steps", "max_steps", "num_epochs"} <= set(s)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
