@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from common.model import LlamaForCausalLM, get_config
-from conftest import CH01_STEPS, NO_GPU, TINY, load_script, python_cmd, read_json, read_jsonl, \
-    refused, run
+from conftest import CH01_STEPS, NO_GPU, SMALL_CORPUS_FLAGS, TINY, load_script, python_cmd, read_json, \
+    read_jsonl, refused, run
 
 SCRIPT = "02-data-parallel/train_llm.py"
 STEPS = CH01_STEPS  # the flags of chapter 01's reference run (conftest's ch01_smoke)
@@ -61,6 +61,27 @@ def test_saved_weights_load_into_a_plain_model(runs, name):
     assert not any(k.startswith(("module.", "model.")) for k in state)
     vocab = read_json(run_dir / "summary.json")["data"]["vocab_size"]
     LlamaForCausalLM(get_config("tiny", vocab)).load_state_dict(state, strict=True)
+
+
+def test_padded_with_accumulation_over_epochs_equals_chapter_01(tmp_path):
+    """--padded --grad-accum 2 --loss-in-module on 20 documents of different lengths (19
+    to train on: 2 steps an epoch): each step's loss is the mean over the real targets
+    of both micro-batches, which hold different numbers of them, and every epoch a new
+    order: over 5 steps (3 epochs), loss for loss and weight for weight chapter 01's."""
+    corpus = tmp_path / "docs"
+    corpus.mkdir()
+    for i in range(20):
+        (corpus / f"doc{i:02d}.txt").write_text(f"def f{i}(x):\n" + "    x = x + 1\n" * (i % 7 + 1))
+    flags = [*TINY, "--dataset-name", corpus, *SMALL_CORPUS_FLAGS, "--padded", "--grad-accum", 2,
+             "--max-steps", 5, "--val-batches", 1, "--save-dir", tmp_path]
+    run(python_cmd("01-single-gpu/train_llm.py", *flags, "--experiment-name", "ch01"), env=NO_GPU)
+    run(python_cmd(SCRIPT, *flags, "--experiment-name", "ch02", "--loss-in-module"), env=NO_GPU)
+    summary = read_json(tmp_path / "ch02" / "summary.json")
+    assert (summary["data"]["form"], summary["data"]["train_samples"]) == ("padded", 19)
+    losses = [[r["loss"] for r in read_jsonl(tmp_path / d / "metrics.jsonl")] for d in ("ch01", "ch02")]
+    assert len(losses[1]) == 5 and losses[1] == losses[0]
+    ref, got = (torch.load(tmp_path / d / "model.pt", weights_only=True) for d in ("ch01", "ch02"))
+    assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref)
 
 
 def test_device_ids_without_gpus_are_refused(tmp_path, monkeypatch, capsys):
