@@ -6,6 +6,7 @@ bad flags with one line and exit 2."""
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 import time
@@ -16,6 +17,7 @@ import torch
 
 from conftest import REPO, load_script, python_cmd, read_json, run, torchrun_cmd
 from common import sharding, timeline, tour
+from common.data import DEFAULT_VOCAB_SIZE
 
 CH = "05-collectives"
 DEMO, BENCH, SCRATCH = f"{CH}/collectives_demo.py", f"{CH}/bench_collectives.py", f"{CH}/ddp_from_scratch.py"
@@ -280,6 +282,9 @@ def test_ddp_from_scratch_equals_ddp_bit_for_bit_on_2_ranks(tmp_path):
         assert m["tokens_per_s"] > 0 and len(m["step_times_s"]) == 2
     assert modes["ddp"]["max_abs_diff_vs_ddp"] == 0.0
     assert modes["ddp"]["tokens_per_s"] > 0
+    # a step's loss is the global batch's, the mean of the ranks' (not their sum): for a
+    # fresh model about ln(vocabulary size)
+    assert modes["ddp"]["losses"][0] == pytest.approx(math.log(DEFAULT_VOCAB_SIZE), abs=0.5)
     # 21 tensors, one call each; 1 MiB buckets over 4.4 MiB of gradients: a handful
     assert modes["naive"]["allreduce_calls_per_step"] == 21
     assert 2 <= modes["bucketed"]["allreduce_calls_per_step"] < 21
@@ -345,6 +350,26 @@ def test_the_proof_bound_catches_a_real_bug():
     good, bug = stepped(1.0), stepped(4.0)  # 4 ranks' gradients summed, not averaged
     bound = adam_step_bound(4, torch.float64, 1e-3, 1, max(g.abs().max().item() for g in grads))
     assert max_abs_difference(bug, good) > 1e3 * bound > 0
+
+
+def test_the_bounds_largest_gradient_is_a_magnitude():
+    """The G of the rounding bound is the largest |gradient element| this rank computed:
+    the same for a loss and for its negative, whose gradients are the same numbers
+    negated."""
+    from common.model import LlamaForCausalLM, get_config
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(get_config("tiny", 300)).double()
+    largest = scratch.largest_gradient_element(model)
+    x = torch.randint(0, 300, (2, 16))
+    seen = []
+    for sign in (1, -1):
+        model.zero_grad(set_to_none=True)
+        largest.zero_()
+        (sign * torch.nn.functional.cross_entropy(model(x).view(-1, 300), x.view(-1))).backward()
+        seen.append(largest.item())
+        assert seen[-1] == max(p.grad.abs().max().item() for p in model.parameters())
+    assert seen[0] == seen[1] > 0
 
 
 def test_the_proof_checks_every_step_from_ddps_state(one_rank_group, monkeypatch):

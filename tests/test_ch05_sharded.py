@@ -9,6 +9,7 @@ flags exit 2."""
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 import pytest
@@ -94,6 +95,24 @@ def test_the_proof_checks_every_step_from_ddps_state(one_rank_group, monkeypatch
     assert [f.split(" a weight")[0] for f in failures] == [f"{m}: after step 2" for m in ("zero1", "zero3", "fsdp2")]
     assert all("differs from DDP's by 1e-09 > 0" in f for f in failures), failures
     assert all(diffs[m]["max_abs_diff_vs_ddp"] == pytest.approx(1e-9, rel=1e-6) for m in ("zero1", "zero3", "fsdp2"))
+
+
+def test_the_bounds_largest_gradient_is_a_magnitude(one_rank_group, monkeypatch):
+    """The G of the rounding bound is the largest |gradient element| this rank computed
+    (DDP's comm hook sees its buckets before averaging): the same for a loss and for its
+    negative, whose gradients are the same numbers negated."""
+    args = argparse.Namespace(seed=0, lr=1e-3)
+    x = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    seen = []
+    for sign in (1, -1):
+        loss = lambda *a, sign=sign, **k: sign * torch.nn.functional.cross_entropy(*a, **k)  # noqa: E731
+        monkeypatch.setattr(sharded, "F", argparse.Namespace(cross_entropy=loss))
+        trainer = sharded.TRAINERS["ddp"]("ddp", args, sharded.get_config("tiny", 300), one_rank_group,
+                                          torch.float64)
+        trainer.step(x, x)
+        seen.append(trainer.largest_grad.item())
+        assert seen[-1] == max(p.grad.abs().max().item() for p in trainer.model.parameters())
+    assert seen[0] == seen[1] > 0
 
 
 def test_memtracker_measures_zero3_without_a_warning(one_rank_group):
@@ -241,6 +260,9 @@ def test_every_mode_equals_ddp_bit_for_bit_on_2_ranks(tmp_path):
         assert r["max_abs_diff_vs_ddp"] == 0.0 and r["ranks_differ"] == 0.0, m
         assert r["losses"] == modes["ddp"]["losses"], m
         assert r["tokens_per_s"] > 0 and r["bytes"]["peak_step"] > 0
+    # a step's loss is the global batch's, the mean of the ranks' (not their sum): for a
+    # fresh model about ln(vocabulary size)
+    assert modes["ddp"]["losses"][0] == pytest.approx(math.log(result["model_config"]["vocab_size"]), abs=0.5)
     b = {m: r["bytes"] for m, r in modes.items()}
     assert b["ddp"]["params"] == b["ddp"]["grads"] == p_bytes
     assert b["zero1"]["optimizer"] <= 0.5 * b["ddp"]["optimizer"] + 64  # + the step counters
