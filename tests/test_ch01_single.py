@@ -1,6 +1,7 @@
 """Chapter 01, the baseline: a tiny run learns and writes every documented output; the
 script runs however a reader launches it; its data order is DistributedSampler's; its
-schedule is warmup + cosine over --max-steps; bad input stops before any work."""
+schedule is warmup + cosine over --max-steps; its AdamW decays the matrices only; its
+validation loss is the mean over real target tokens; bad input stops before any work."""
 
 from __future__ import annotations
 

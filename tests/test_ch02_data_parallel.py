@@ -1,6 +1,7 @@
 """Chapter 02 on a machine without GPUs: DataParallel falls back to the plain module,
 says so in the log, the summary and the table, and then computes exactly what chapter
-01 computes; its weights load into a plain model; GPU-only flags are refused."""
+01 computes (padded, with accumulation, over epochs too); its weights load into a plain
+model; GPU-only flags are refused."""
 
 from __future__ import annotations
 
