@@ -427,15 +427,22 @@ def test_the_cache_has_the_modes_the_umask_gives(tmp_path, umask):
         assert p.stat().st_mode & 0o777 == want, (p, oct(p.stat().st_mode))
 
 
-@pytest.mark.parametrize("damage", ["truncated", "offsets", "meta"])
+@pytest.mark.parametrize("damage", ["truncated", "a-document-short", "last-token", "offsets", "meta"])
 def test_a_damaged_token_cache_says_how_to_rebuild_it(tmp_path, damage):
-    corpus = tmp_path / "c.txt"
-    corpus.write_text("def f(x):\n    return x + 1\n" * 50)
+    corpus = write_files(tmp_path / "c", {f"{i}.txt": "def f(x):\n    return x + 1\n" * 50 for i in range(3)})
     build_datasets(str(corpus), 16, vocab_size=300, cache_dir=tmp_path / "cache")
     [cached] = (tmp_path / "cache").glob("tokens-*")
     if damage == "truncated":  # a copy cut short
         with open(cached / "train.bin", "r+b") as f:
             f.truncate(f.seek(0, 2) - 2)
+    elif damage == "a-document-short":  # cut where a document ends: the last token is [EOT]
+        offsets = np.fromfile(cached / "train.idx", dtype=np.int64)
+        with open(cached / "train.bin", "r+b") as f:
+            f.truncate(int(offsets[-2]) * 2)  # uint16 tokens
+    elif damage == "last-token":  # right size, the closing [EOT] overwritten
+        with open(cached / "train.bin", "r+b") as f:
+            f.seek(-2, 2)
+            f.write(b"\x00\x00")
     elif damage == "offsets":  # right size, wrong content
         (cached / "train.idx").write_bytes(b"\xff" * (cached / "train.idx").stat().st_size)
     else:
