@@ -274,6 +274,10 @@ def test_packed_windows_cover_the_stream_with_eot_between_documents():
     assert torch.cat([xs[0][:1], *ys]).tolist() == stream
     with pytest.raises(IndexError):
         ds[len(ds)]
+    # a stream one token short of another window: no short last sample (a DataLoader could
+    # not stack it with the others)
+    short = PackedDataset(docs_of(docs[:2] + [[6, 7, 8, 9]], eot), seq_len=3)  # 12 tokens
+    assert len(short) == 3 and all(x.shape == y.shape == (3,) for x, y in short)
 
 
 # ---------------------------------------------------------------------- padded form
