@@ -254,6 +254,8 @@ def test_split_is_by_document_and_fixed():
     is_val = split_mask(40, val_fraction=0.1)
     torch.manual_seed(456)
     assert np.array_equal(split_mask(40, val_fraction=0.1), is_val) and is_val.sum() == 4
+    # the documents are drawn by split_seed: another one draws others
+    assert not np.array_equal(split_mask(40, val_fraction=0.1, split_seed=1), is_val)
     assert not split_mask(1).any() and split_mask(2).sum() == 1  # at least one of each
 
 
