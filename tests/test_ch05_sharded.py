@@ -2,9 +2,9 @@
 2 ranks; on 3 and 4, within the bound that summation order allows, derived from fp64's
 rounding, lr, the steps and AdamW's eps, even at a large --lr), hold 1/N of the optimizer
 state, and send the bytes the textbook says, which `python -m common.plan` computes to
-the byte; the shard layout keeps weight decay per
-element; a wrong weight or a wrong update fails the proof; each phase is announced; bad
-flags exit 2."""
+the byte; the shard layout keeps weight decay per element; ZeRO-3 holds a module whole
+only while it computes; a wrong weight or a wrong update fails the proof; each phase is
+announced; bad flags exit 2."""
 
 from __future__ import annotations
 
