@@ -76,15 +76,16 @@ def test_loaded_on_three_ranks_every_tensor_equals_the_saved_state(saved, tmp_pa
 
 
 def fresh_model(step_dir: Path):
+    """Another seed and another lr than the saved run's: only loading makes them equal."""
     vocab = json.loads((step_dir / "manifest.json").read_text())["settings"]["vocab_size"]
-    return ckpt.sharded_model(get_config("tiny", vocab), seed=1, lr=1e-3, device=torch.device("cpu"))
+    return ckpt.sharded_model(get_config("tiny", vocab), seed=1, lr=2e-3, device=torch.device("cpu"))
 
 
 def test_loaded_on_one_rank_the_proof_passes_and_sees_one_changed_moment(saved, one_rank_group, tmp_path):
     """On 1 rank every tensor equals the saved state; against a reference with one AdamW
     moment changed by 1e-7, exactly that tensor differs."""
     step_dir = saved[0] / STEP
-    model, optimizer = fresh_model(step_dir)  # another seed: only loading makes it equal
+    model, optimizer = fresh_model(step_dir)  # only loading makes it equal (AdamW's lr too)
     reference = ckpt.reference_path(step_dir)
     assert ckpt.prove_equal(model, optimizer, reference, one_rank_group)[2] != []
     ckpt.load_sharded(model, optimizer, step_dir, one_rank_group)
