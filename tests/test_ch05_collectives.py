@@ -401,6 +401,21 @@ def test_the_proof_checks_every_step_from_ddps_state(one_rank_group, monkeypatch
     assert all(proof[m]["max_abs_diff_vs_ddp"] == pytest.approx(1e-9, rel=1e-6) for m in ("naive", "bucketed"))
 
 
+def test_replicas_that_differ_after_a_step_fail_the_proof(one_rank_group, monkeypatch):
+    """After every step each mode's replicas must be equal: where they differ (here: as
+    if every mode's replicas drifted by 0.5 once training began), that mode fails, step
+    by step."""
+    import argparse
+    args = argparse.Namespace(seed=0, lr=1e-3, bucket_mb=0.5, modes=list(scratch.MODES), proof_steps=2)
+    batches = [(x, x) for x in torch.randint(0, 300, (2, 2, 16), generator=torch.Generator().manual_seed(0))]
+    stepped, step = [], scratch.Replica.step
+    monkeypatch.setattr(scratch.Replica, "step", lambda self, x, y: stepped.append(step(self, x, y)))
+    monkeypatch.setattr(scratch, "max_difference_to_rank0", lambda tensors: 0.5 if stepped else 0.0)
+    proof, failures, _ = scratch.prove(args, scratch.get_config("tiny", 300), batches, one_rank_group)
+    assert failures == [f"{m}: replicas differ by 0.5 after step {t}" for t in (1, 2) for m in scratch.MODES]
+    assert all(p["replicas_differ_after_training"] == 0.5 for p in proof.values())
+
+
 # ------------------------------------------------- the README shows what the scripts print
 
 def readme_table_headers(path: Path) -> list[tuple[str, ...]]:

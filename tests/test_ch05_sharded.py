@@ -130,6 +130,18 @@ def test_memtracker_measures_zero3_without_a_warning(one_rank_group):
     assert peak > 0
     assert [str(w.message) for w in caught if issubclass(w.category, UserWarning)] == []
 
+def test_ranks_that_hold_different_weights_fail_the_proof(one_rank_group, monkeypatch):
+    """After every step each mode's ranks must hold the same weights: where they differ
+    (here: as if every mode's ranks drifted by 0.5), that mode fails, step by step."""
+    args = argparse.Namespace(seed=0, lr=1e-3, modes=list(sharded.MODES))
+    batches = [(x, x) for x in torch.randint(0, 300, (2, 2, 16), generator=torch.Generator().manual_seed(0))]
+    monkeypatch.setattr(proof, "max_difference_to_rank0", lambda tensors: 0.5)
+    diffs, failures, _ = sharded.prove(args, sharded.get_config("tiny", 300), one_rank_group, batches)
+    assert failures == [f"{m}: ranks hold different weights after step {t} (by 0.5)"
+                        for t in (1, 2) for m in sharded.MODES]
+    assert all(d["ranks_differ"] == 0.5 for d in diffs.values())
+
+
 def test_zero3_holds_a_modules_full_weights_only_while_it_computes(one_rank_group, monkeypatch):
     """ZeRO-3 gathers a module's weights before its forward and frees them after it, and
     gathers them again for its backward, freed once its gradients are reduce-scattered: at
