@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from common.checkpoint_folder import RUN_DEFINING_FLAGS, run_settings
+from common.checkpoint_folder import RUN_DEFINING_FLAGS, run_settings, unchanged_on_error
 from common.durable import read_manifest, sha256_of
 from conftest import load_script, run, torchrun_cmd
 from warm import children, running
@@ -121,6 +121,22 @@ def test_another_runs_settings_are_refused_by_name_before_loading(tmp_path, caps
     assert stop.value.code == 2
     assert f"checkpoint {path} belongs to a run with other settings (--lr 1.0 -> 2.0)" in capsys.readouterr().err
     assert all(torch.equal(a, b) for a, b in zip(fresh.tensors(), before))
+
+
+def test_a_load_that_fails_halfway_leaves_model_and_optimizer_as_they_were():
+    """unchanged_on_error: the model loaded, AdamW's moments overwritten in place, then a
+    failure (the state of an optimizer over other parameters), and both are back to what
+    they held before, to the bit."""
+    state = train_state(0, steps=2)
+    other = torch.optim.AdamW(torch.nn.Linear(2, 2).parameters())
+    before = [t.clone() for t in state.tensors()]
+    with pytest.raises(ValueError), unchanged_on_error(state.model, state.optimizer):
+        state.model.load_state_dict(train_state(2, steps=1).model.state_dict())
+        for moments in state.optimizer.state.values():
+            moments["exp_avg"].zero_()
+        state.optimizer.load_state_dict(other.state_dict())  # 2 parameters, not 4: refused
+    after = list(state.tensors())
+    assert len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(after, before))
 
 
 def test_without_a_latest_pointer_the_newest_checkpoint_that_verifies_is_used(tmp_path):
