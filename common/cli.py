@@ -319,11 +319,15 @@ def default_run_name(prefix: str, save_dir: Path) -> str:
     job = os.environ.get("TORCHELASTIC_RUN_ID", "")
     if job and job != "none":
         return f"{prefix}-{re.sub(r'[^A-Za-z0-9._-]+', '-', job)[:36].strip('-.') or 'job'}"
-    name = stamped = f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
-    n = 1
-    while (save_dir / name).exists():
+    return unused_name(save_dir, f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def unused_name(folder: Path, stem: str) -> str:
+    """`stem`, or `stem-2`, `stem-3`, ...: the first name `folder` does not hold yet."""
+    name, n = stem, 1
+    while (folder / name).exists():
         n += 1
-        name = f"{stamped}-{n}"
+        name = f"{stem}-{n}"
     return name
 
 

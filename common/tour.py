@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import report, sharding, timeline
-from .cli import DEFAULT_SAVE_DIR, REPO_ROOT, Parser, check_writable_folder
+from .cli import DEFAULT_SAVE_DIR, REPO_ROOT, Parser, check_writable_folder, unused_name
 from .errors import UsageError
 from .model import PRESETS
 from .tables import markdown_table
@@ -145,11 +145,7 @@ def parse_args(argv=None, gpus: int | None = None) -> argparse.Namespace:
 def unused_default_out() -> Path:
     """outputs/tour-<timestamp>, or -2, -3, ... after it when a tour started in the same
     second has that name."""
-    base = DEFAULT_SAVE_DIR / f"tour-{time.strftime('%Y%m%d-%H%M%S')}"
-    n = 1
-    while (out := base if n == 1 else base.with_name(f"{base.name}-{n}")).exists():
-        n += 1
-    return out
+    return DEFAULT_SAVE_DIR / unused_name(DEFAULT_SAVE_DIR, f"tour-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
 def crash_plan(steps: int) -> tuple[int, int]:
