@@ -112,6 +112,10 @@ def settings(args, vocab_size: int) -> dict:
     return {"model_preset": args.model_preset, "dataset_name": args.dataset_name, "vocab_size": vocab_size}
 
 
+def ranks(n: int) -> str:
+    return f"{n} rank" if n == 1 else f"{n} ranks"
+
+
 # ------------------------------------------------------------------------------ main
 
 def main():
@@ -161,24 +165,24 @@ def run(args, demo):
     config = get_config(args.model_preset, data.vocab_size)
 
     model, optimizer = sharded_model(config, args.seed, args.lr, demo.device)
-    say(demo, f"{demo.world} ranks, {demo.backend}; {args.model_preset} preset, FSDP2 "
+    say(demo, f"{ranks(demo.world)}, {demo.backend}; {args.model_preset} preset, FSDP2 "
               f"(each rank holds 1/{demo.world} of every parameter and AdamW moment)")
 
     verdict = None
     if args.load_step_dir:
         saved_world = args.load_meta["world_size"]
         load_sharded(model, optimizer, args.load_step_dir, demo)
-        say(demo, f"loaded {args.load_step_dir} (step {start}, written by {saved_world} ranks) "
-                  f"on {demo.world} ranks")
+        say(demo, f"loaded {args.load_step_dir} (step {start}, written by {ranks(saved_world)}) "
+                  f"on {ranks(demo.world)}")
         say(demo, *where_pieces_come_from(model, args.load_step_dir, demo))
         worst, compared, mismatches = prove_equal(model, optimizer, reference_path(args.load_step_dir), demo)
         if mismatches:  # stop here: training on, or saving, a wrong state helps nobody
             if demo.rank == 0:
-                print(f"FAILED: loaded a checkpoint written by {saved_world} ranks on {demo.world} ranks, "
+                print(f"FAILED: loaded a checkpoint written by {ranks(saved_world)} on {ranks(demo.world)}, "
                       f"but {len(mismatches)} tensor(s) differ from the saved state, e.g. {mismatches[0]}",
                       file=sys.stderr, flush=True)
             return 1
-        verdict = (f"OK: loaded a checkpoint written by {saved_world} ranks on {demo.world} ranks: "
+        verdict = (f"OK: loaded a checkpoint written by {ranks(saved_world)} on {ranks(demo.world)}: "
                    f"every parameter and AdamW moment equals the saved state (max difference {worst:g}, "
                    f"{compared} tensors compared)")
 

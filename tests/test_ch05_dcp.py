@@ -97,6 +97,7 @@ def test_loaded_on_one_rank_the_proof_passes_and_sees_one_changed_moment(saved, 
     torch.save(state, tmp_path / "changed.pt")
     worst, _, mismatches = ckpt.prove_equal(model, optimizer, tmp_path / "changed.pt", one_rank_group)
     assert 5e-8 < worst < 2e-7 and mismatches == [f"optim.state.{key}.exp_avg: max difference {worst:.3g}"]
+    assert (ckpt.ranks(1), ckpt.ranks(3)) == ("1 rank", "3 ranks")  # as the script says where it loaded
 
 
 def test_a_shard_dcp_cannot_read_is_one_line_not_a_traceback(saved, one_rank_group, tmp_path, capsys):
