@@ -189,7 +189,8 @@ def base_parser(chapter: str, description: str, *, distributed: bool = False,
     g.add_argument("--device", default="auto",
                    help="auto, cpu, cuda" + ("" if distributed else ", cuda:N"))
     g.add_argument("--dtype", default="auto", type=one_of(*DTYPES),
-                   help="auto = bf16 autocast on CUDA, fp32 on CPU; fp32 = no autocast (on CUDA, matmuls in TF32); bf16 = bf16 autocast")
+                   help="auto = bf16 autocast on CUDA, fp32 on CPU; fp32 = no autocast (on CUDA, "
+                        "matmuls in TF32); bf16 = bf16 autocast")
     g.add_argument("--num-workers", type=non_negative_int, default=1,
                    help="DataLoader worker processes")
     g.add_argument("--compile", action="store_true",
