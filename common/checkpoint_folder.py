@@ -21,9 +21,12 @@ from .distributed import first_error
 from .durable import dir_size_mb, disk_full_message, is_disk_full
 
 
-def commit_on_rank0(commit, rank: int, tmp: Path | None = None):
+def commit_on_rank0(commit, rank: int, tmp: Path | None = None, *, where: Path | None = None,
+                    disk_full=disk_full_message, status: int = 2):
     """`commit()` on rank 0; every rank returns once it is done (a collective). If it
-    fails, the half-written `tmp` folder is removed and every rank stops with one line."""
+    fails, the half-written `tmp` folder is removed and every rank stops with one line
+    (exit `status`): `disk_full(folder, MB written)` for a full disk in `where` (default:
+    tmp's folder), else the error's own."""
     error = None
     if rank == 0:
         try:
@@ -32,16 +35,16 @@ def commit_on_rank0(commit, rank: int, tmp: Path | None = None):
             size = dir_size_mb(tmp) if tmp and tmp.exists() else 0
             if tmp:
                 shutil.rmtree(tmp, ignore_errors=True)  # never leave a full disk fuller
-            where = tmp.parent if tmp else Path(getattr(e, "filename", None) or ".").parent
+            where = where or (tmp.parent if tmp else Path(getattr(e, "filename", None) or ".").parent)
             if is_disk_full(e, where):
-                error = disk_full_message(where, size)
+                error = disk_full(where, size)
             elif isinstance(e, OSError):
                 error = f"writing {e.filename or where} failed: {e.strerror or e}"
             else:
                 raise
     error = first_error(error)
     if error:
-        fail(error)
+        fail(error, status=status)
 
 
 def prune_checkpoints(ckpt_dir: Path, newest: Path, keep_last: int):

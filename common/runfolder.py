@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 
 from .distributed import first_error
-from .durable import atomic_write, is_disk_full, one_line
+from .checkpoint_folder import commit_on_rank0
+from .durable import atomic_write
 from .errors import fail
 
 OWNER_FILE = ".owner"
@@ -265,18 +266,10 @@ def save_weights(path: Path, model: torch.nn.Module, *, writer: bool = True) -> 
     """The run's final weights (`model.state_dict()`), written by `writer` (rank 0) whole
     or not at all, never a truncated file a later load would trust. A failed write (a full
     disk) stops every rank with its one line: a collective when a process group exists."""
-    path, error = Path(path), None
-    if writer:
-        try:
-            atomic_write(path, lambda f: torch.save(model.state_dict(), f))
-        except (OSError, RuntimeError) as e:  # torch.save's zip writer says ENOSPC as RuntimeError
-            if is_disk_full(e, path.parent):
-                error = (f"disk full while saving {path} ({shutil.disk_usage(path.parent).free / 2**20:,.1f} "
-                         f"MB free): it was not written; free some space and run again")
-            elif isinstance(e, OSError):
-                error = f"writing {path} failed ({one_line(e)})"
-            else:
-                raise
-    error = first_error(error)
-    if error:
-        fail(error, status=1)
+    path = Path(path)
+
+    def disk_full(folder: Path, _) -> str:
+        return (f"disk full while saving {path} ({shutil.disk_usage(folder).free / 2**20:,.1f} MB free): "
+                f"it was not written; free some space and run again")
+    commit_on_rank0(lambda: atomic_write(path, lambda f: torch.save(model.state_dict(), f)),
+                    0 if writer else 1, where=path.parent, disk_full=disk_full, status=1)
