@@ -21,7 +21,6 @@ writes every row, with the device, torch version and peak, to a file.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 
+from .cli import Parser, non_negative_int, positive_int
 from .data import DEFAULT_VOCAB_SIZE
 from .environment import device_name
 from .jsonfiles import write_json
@@ -176,31 +176,26 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m common.bench_model",
-                                description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--presets", nargs="+", default=["tiny", "small"], choices=list(PRESETS))
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-length", type=int, default=256,
+    p = Parser(prog="python -m common.bench_model", description=__doc__.split("\n\n")[0])
+    p.add_argument("--presets", nargs="+", default=["tiny", "small"], choices=list(PRESETS),
+                   help="model presets to measure, one after another")
+    p.add_argument("--batch-size", type=positive_int, default=8, help="samples per step")
+    p.add_argument("--seq-length", type=positive_int, default=256,
                    help="tokens per sample (capped at the preset's max_position_embeddings)")
-    p.add_argument("--iters", type=int, default=5, help="timed steps (the median is reported)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-    p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
+    p.add_argument("--iters", type=positive_int, default=5, help="timed steps (the median is reported)")
+    p.add_argument("--warmup", type=non_negative_int, default=2, help="untimed steps first")
+    p.add_argument("--vocab-size", type=positive_int, default=DEFAULT_VOCAB_SIZE,
+                   help="the embedding's and output layer's size (random token ids below it)")
     p.add_argument("--no-compile", action="store_true",
                    help="eager only: skip torch.compile (and its compile time)")
     p.add_argument("--device", default="auto",
                    help="auto (cuda if available, else cpu), cpu, cuda:N")
     p.add_argument("--json", type=Path, default=None,
                    help="also write the rows, device, torch version and peak to this file")
-    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+    p.add_argument("--profile", type=non_negative_int, default=0, metavar="STEPS",
                    help="then profile this many training steps per mode: where the time went "
                         "(matmul, attention, optimizer, other, idle) and the busiest kernels")
     args = p.parse_args(argv)
-    for name in ("batch_size", "seq_length", "iters", "vocab_size"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.warmup < 0 or args.profile < 0:
-        p.error(f"--{'warmup' if args.warmup < 0 else 'profile'} must not be negative")
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     try:

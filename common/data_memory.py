@@ -33,10 +33,13 @@ from pathlib import Path
 
 import numpy as np
 
+from .cli import Parser, non_negative_float, positive_int
 from .data import open_corpus, token_cache_path, train_tokenizer, write_token_files
+from .errors import UsageError
 from .tables import markdown_table
 
 REPO = Path(__file__).resolve().parents[1]
+MIN_TOKENS_PER_RANK = 5_000  # see enough_tokens
 STAND_IN = "A stand-in corpus: its tokens are written straight into the cache.\n"
 
 
@@ -177,22 +180,33 @@ def existing_folder(text: str) -> str:
     return text
 
 
+def enough_tokens(args) -> None:
+    """Chapter 03's default global batch (8 samples of 257 tokens per rank) must fit in
+    the training split, which the validation documents (5%, each up to 1,000 tokens)
+    make smaller: 5,000 tokens per rank leaves room for both."""
+    least = MIN_TOKENS_PER_RANK * args.nproc_per_node
+    if min(args.tokens) < least:
+        raise UsageError(f"--tokens {min(args.tokens):,}: at least {least:,} with "
+                         f"--nproc-per-node {args.nproc_per_node} (5,000 per rank)")
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--rank-report"]:  # inside a rank, started by measure()
         return report_rank(argv[1], argv[2], argv[3:])
-    p = argparse.ArgumentParser(prog="python -m common.data_memory",
-                                description=__doc__.split("\n\n")[0])
-    p.add_argument("--tokens", type=int, nargs="+", default=[1_000_000, 200_000_000],
-                   help="corpus sizes in tokens; the first is the baseline")
-    p.add_argument("--nproc-per-node", type=int, default=4)
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--limit-mb", type=float, default=100.0,
+    p = Parser(prog="python -m common.data_memory", description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=positive_int, nargs="+", default=[1_000_000, 200_000_000],
+                   help="corpus sizes in tokens, each at least 5,000 per rank; the first is "
+                        "the baseline")
+    p.add_argument("--nproc-per-node", type=positive_int, default=4, help="chapter 03's ranks")
+    p.add_argument("--steps", type=positive_int, default=5, help="training steps of each run")
+    p.add_argument("--limit-mb", type=non_negative_float, default=100.0,
                    help="exit 1 if any rank's peak, or a worker's own memory, grows more than this "
                         "from the baseline")
     p.add_argument("--work-dir", default=None, type=existing_folder,
                    help="an existing folder to hold the scratch folder (default: the system's "
                         "temporary folder)")
+    p.checks.append(enough_tokens)
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(dir=args.work_dir) as root:
         results = [measure(t, args.nproc_per_node, Path(root), args.steps) for t in args.tokens]

@@ -254,6 +254,7 @@ def parse_args(argv=None):
     p.add_argument("--python-version", default="3.12", help="with --download-wheels: the GPU machine's Python")
     p.add_argument("--exclude", default=",".join(ALREADY_THERE),
                    help="with --download-wheels: projects whose wheels to leave out (comma-separated)")
+    p.error = lambda message: fail(f"{message} (see --help)")  # one line, not the usage block
     args = p.parse_args(argv)
     if args.download_wheels:
         return args

@@ -5,6 +5,7 @@ lost, whichever rank exits first."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import re
 import subprocess
 import sys
@@ -94,6 +95,20 @@ def test_the_help_gives_the_default_name_under_torchrun():
 def test_bad_flags_are_refused_with_one_line(tmp_path, capsys, argv, message):
     assert message in refusal(capsys, tmp_path, *argv)
     assert not tmp_path.joinpath("01-single-gpu").exists()
+
+
+# `python -m common.X`: every module that runs as a command
+TOOLS = sorted(p.stem for p in (REPO / "common").glob("*.py") if '__name__ == "__main__"' in p.read_text())
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_every_command_line_tool_refuses_an_unknown_flag_with_one_line(tool, capsys):
+    """Not argparse's usage block: one line naming the flag, exit status 2."""
+    with pytest.raises(SystemExit) as exit_:
+        importlib.import_module(f"common.{tool}").main(["--no-such-flag"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "--no-such-flag" in err and len(err.splitlines()) == 1, err
 
 
 def test_a_quoted_tilde_in_save_dir_is_the_home_folder(tmp_path, monkeypatch):

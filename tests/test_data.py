@@ -571,12 +571,21 @@ def test_a_large_local_corpus_is_tokenized_by_processes_with_a_progress_bar(corp
         "ids_00000_of_00002.arrow", "ids_00001_of_00002.arrow"]     # each process's shard
 
 
-def test_data_memory_refuses_a_missing_work_dir_before_any_run(tmp_path, capsys):
-    """python -m common.data_memory --work-dir: a folder that is not there stops at parsing
-    (exit status 2, the flag named), not with a traceback from the temporary folder."""
+@pytest.mark.parametrize("argv, said", [
+    (["--work-dir", "{tmp}/nowhere"], "argument --work-dir"),
+    (["--tokens", "19999"], "--tokens 19,999: at least 20,000 with --nproc-per-node 4"),
+    (["--tokens", "1000000", "9999", "--nproc-per-node", "2"], "at least 10,000"),
+    (["--steps", "0"], "argument --steps"),
+    (["--nproc-per-node", "0"], "argument --nproc-per-node"),
+])
+def test_data_memory_refuses_bad_input_before_any_run(tmp_path, capsys, argv, said):
+    """python -m common.data_memory: a missing --work-dir, a corpus too small for chapter
+    03's batch on every rank, no steps or no ranks stop at parsing (one line, exit status
+    2), not with a traceback or a failed torchrun after the first corpus was written."""
     from common.data_memory import main
     with pytest.raises(SystemExit) as exit_:
-        main(["--work-dir", str(tmp_path / "nowhere")])
+        main([a.format(tmp=tmp_path) for a in argv])
     assert exit_.value.code == 2
-    assert "argument --work-dir" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert said in err and len(err.strip().splitlines()) == 1
     assert not any(tmp_path.iterdir())
