@@ -16,6 +16,7 @@ plots, chapter 05's tables, the explanations, and a list of every file produced.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import shlex
@@ -146,6 +147,25 @@ def unused_default_out() -> Path:
     """outputs/tour-<timestamp>, or -2, -3, ... after it when a tour started in the same
     second has that name."""
     return DEFAULT_SAVE_DIR / unused_name(DEFAULT_SAVE_DIR, f"tour-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def hold_tour_folder(out: Path) -> None:
+    """Lock the tour folder for as long as this process lives (the kernel drops the lock
+    however it ends), then check that it is still empty: of two tours given the same
+    --out at once, the second stops with one line instead of writing its logs beside
+    the first's. Where the file system has no flock, the folder is not locked."""
+    fd = os.open(out, os.O_RDONLY)  # open until the process ends; the chapters do not inherit it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise UsageError(f"--out {_rel(out)!r}: another tour is writing there; choose another") from None
+    except OSError:
+        pass  # no flock on this file system
+    if any(out.iterdir()):
+        os.close(fd)
+        raise UsageError(f"--out {_rel(out)!r} is no longer empty (another tour wrote there); "
+                         f"choose another")
 
 
 def crash_plan(steps: int) -> tuple[int, int]:
@@ -487,12 +507,16 @@ def main(argv=None) -> int:
     while True:
         try:  # a default name is created here or not at all: two tours never share one
             args.out_dir.mkdir(parents=True, exist_ok=args.out is not None)
+            hold_tour_folder(args.out_dir)  # an --out named twice: one tour writes there
             break
         except FileExistsError:  # another tour took it since parse_args: the next free one
             if args.out is not None:
                 raise
             args.out_dir = unused_default_out().resolve()
             plan = build_plan(args)
+        except UsageError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     print(f"tour of {total} chapter(s) into {_rel(args.out_dir)}: preset {args.sizes.preset}, "
           f"seq {args.sizes.seq_length}, batch {args.sizes.batch_size} per process, "
           f"{args.sizes.steps} steps, {args.sizes.nproc} process(es) for torchrun chapters"

@@ -4,7 +4,9 @@ ends with the comparison report."""
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import sys
 import time
 
@@ -179,6 +181,32 @@ def test_tours_started_in_the_same_second_get_folders_of_their_own(tmp_path, mon
     assert (tmp_path / "tour-20990101-000000-3" / "01-single-gpu.log").exists()
     assert not any((tmp_path / "tour-20990101-000000-2").iterdir())
     assert (first / "01-single-gpu.log").read_text() == "the other tour's"
+
+
+def test_two_tours_given_the_same_out_never_write_there_both(tmp_path, monkeypatch, capsys):
+    """An --out named twice at once: each found it empty when it parsed its flags. The
+    tour that comes second finds it locked (the first holds it while it runs), or no
+    longer empty (the first wrote there and ended): one line, exit 2, nothing written."""
+    out = tmp_path / "tour"
+    out.mkdir()
+    ran = []
+    monkeypatch.setattr(tour, "run_step", lambda *a: ran.append(a) or 0)
+    held = os.open(out, os.O_RDONLY)  # the first tour's hold, on a descriptor of its own
+    fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    assert tour.main(["--chapters", "01", "--out", str(out), "--quiet"]) == 2
+    assert "another tour is writing there" in capsys.readouterr().err
+    os.close(held)  # the first tour ended, its log left behind
+    real_plan = tour.build_plan
+
+    def plan_while_the_first_writes(args):
+        (out / "01-single-gpu.log").write_text("the first tour's")
+        return real_plan(args)
+
+    monkeypatch.setattr(tour, "build_plan", plan_while_the_first_writes)
+    assert tour.main(["--chapters", "01", "--out", str(out), "--quiet"]) == 2
+    assert "is no longer empty" in capsys.readouterr().err
+    assert not ran and [p.name for p in out.iterdir()] == ["01-single-gpu.log"]
+    assert (out / "01-single-gpu.log").read_text() == "the first tour's"
 
 
 def test_failing_chapter_stops_the_tour_and_says_where(tmp_path, monkeypatch, capsys):
