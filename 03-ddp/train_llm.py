@@ -224,8 +224,8 @@ def main():
 
     # ---- validation, sample, weights, summary --------------------------------------
     # Every rank evaluates its share of the --val-batches batches (that many in all, of
-    # its own samples r, r + world_size, ...) on the bare module (a DDP forward would
-    # prepare a gradient reduction); the replicas are identical.
+    # its own samples r, r + world_size, ...) on the bare module: the replicas are
+    # identical, and under no_grad a DDP forward would prepare no gradient reduction anyway.
     val_loss, val_batches = evaluate(raw_model, val_loader, data, device, autocast,
                                      len(range(rank, args.val_batches, world_size)))
     log.info("validation loss %s over %d batches",
