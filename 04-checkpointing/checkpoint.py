@@ -133,8 +133,8 @@ def broadcast_in_place(tensor: torch.Tensor, device: torch.device):
 
 def gather_rng_states(device) -> list[dict]:
     """Every rank's generators (Python, torch CPU, CUDA), gathered into a list indexed by
-    rank, the same on every rank (a collective). They differ per rank; nothing here draws
-    after initialisation, but a checkpoint must not rely on that staying true."""
+    rank, the same on every rank (a collective). Here every rank's are equal (one seed,
+    nothing drawn after initialisation), but a checkpoint must not rely on that staying true."""
     states = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.device(device).type == "cuda":
         states["cuda"] = torch.cuda.get_rng_state(device)
