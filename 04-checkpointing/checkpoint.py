@@ -122,7 +122,8 @@ def _empty_like_layout(tree):
 
 def broadcast_in_place(tensor: torch.Tensor, device: torch.device):
     """dist.broadcast from rank 0 into `tensor`. nccl moves only CUDA tensors: a CPU tensor
-    (AdamW keeps its step counts there) travels through a copy on this rank's `device`."""
+    (an unfused AdamW keeps its step counts there; the fused one this guide uses on CUDA
+    keeps them on the GPU) travels through a copy on this rank's `device`."""
     if tensor.device.type == "cpu" and dist.get_backend() == "nccl":
         on_device = tensor.to(device)
         dist.broadcast(on_device, src=0)
