@@ -70,8 +70,9 @@ class TrainState:
     def broadcast_from_rank0(self, rank: int):
         """Rank 0 has loaded a checkpoint: give every rank the same state. The small parts
         (position, schedule, generators, the optimizer's layout) go as one object; every
-        tensor goes by itself, in place, as DDP sends the weights at construction. No rank
-        needs the file, and none holds more than one tensor in flight."""
+        tensor goes by itself, in place (DDP's constructor, by contrast, sends rank 0's
+        weights coalesced into buckets of up to 250 MiB). No rank needs the file, and none
+        holds more than one tensor in flight."""
         small = [None]
         if rank == 0:
             small = [{"step": self.step, "epoch": self.epoch, "step_in_epoch": self.step_in_epoch,
