@@ -93,8 +93,8 @@ def main():
         # terminal at once would splice their lines together.
         time.sleep(0.5 * rank)
         print(f"rank {rank} failed in step {step}: {e}", flush=True)
-        # Linger before exiting: torchrun stops the other ranks as soon as one exits, and a
-        # rank that has not printed its own report yet would be cut off.
+        # Linger before exiting: torchrun stops the other ranks as soon as one exits with an
+        # error, and a rank that has not printed its own report yet would be cut off.
         time.sleep(LINGER_S)
         return 1
     # After a failure the group is broken and tearing it down could block; torchrun ends
