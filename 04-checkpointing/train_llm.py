@@ -2,9 +2,9 @@
 
 Every --ckpt-freq steps, at the end, and on Ctrl-C or SIGTERM, the whole training state
 is saved atomically. The same command started again resumes from the newest checkpoint
-that loads, at the exact data position, with exactly the losses of an uninterrupted run.
-The lesson is in this folder: checkpoint.py (the state, saving, loading) and
-preemption.py (a signal turned into one step every rank stops at).
+that loads, at the exact data position, with exactly the losses of an uninterrupted run
+(on as many ranks; on GPUs, with --deterministic). The lesson is beside it, in checkpoint.py
+(the state, saving, loading) and preemption.py (a signal turned into one step all ranks stop at).
 
     torchrun --standalone --nproc-per-node=2 04-checkpointing/train_llm.py --experiment-name run1
     torchrun --standalone --nproc-per-node=2 --max-restarts=3 04-checkpointing/train_llm.py --crash-at-step 15
