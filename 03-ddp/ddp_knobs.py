@@ -10,9 +10,10 @@ turn (so a change in the machine's load hits them all alike):
 - a communication hook that sends bf16 instead of fp32: the bytes halved, and its losses
   beside the fp32 run's.
 
-Every setting runs with `counting_allreduce` as its communication hook: DDP's own
+Every fp32 setting runs with `counting_allreduce` as its communication hook: DDP's own
 averaging (divide by the world size, all-reduce the bucket) plus two counters, the calls
-and the bytes of the tensor each one sends. So the counts are measured, not computed.
+and the bytes of the tensor each one sends; the bf16 one with `bf16_allreduce`, counted
+alike. So the counts are measured, not computed.
 """
 
 import argparse
