@@ -96,7 +96,8 @@ def adam_step_bound(world: int, dtype: torch.dtype, lr: float, step: int, max_gr
 @contextmanager
 def exact_kernels():
     """While a proof runs: deterministic kernels (no atomics whose order varies between
-    runs) and, on GPUs, no TF32 in fp32 matmuls. Restored afterwards, so that timed steps
+    runs) wherever torch has one (warn_only: an operation without one warns and runs as
+    usual) and, on GPUs, no TF32 in fp32 matmuls. Restored afterwards, so that timed steps
     run at the chapters' usual speed."""
     # read by cuBLAS when it starts; the proof runs first, so this is in time
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
