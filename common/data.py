@@ -596,8 +596,10 @@ class PackedDataset(torch.utils.data.Dataset):
     """Documents joined with [EOT] into one token stream, cut into windows of
     seq_len + 1 tokens with stride seq_len: inputs are window[:-1], targets window[1:].
     Consecutive windows share one token, so every token but the first is a target
-    exactly once. No padding anywhere, so attention needs no mask tensor. The stream is
-    the split's token file itself: a sample reads seq_len + 1 tokens of the memory-map."""
+    exactly once, except the tail too short for a whole window (fewer than seq_len
+    tokens), which is dropped. No padding anywhere, so attention needs no mask tensor.
+    The stream is the split's token file itself: a sample reads seq_len + 1 tokens of
+    the memory-map."""
 
     def __init__(self, documents: Documents, seq_len: int):
         self.seq_len, self.documents = seq_len, documents
