@@ -34,7 +34,8 @@ def build_optimizer(model, lr: float, weight_decay: float, device) -> torch.opti
 
 
 def lr_lambda(warmup_steps: int, total_steps: int, min_ratio: float = 0.1):
-    """Linear warmup to the peak, then cosine decay to min_ratio × peak at the last step."""
+    """Linear warmup to the peak, then cosine decay that reaches min_ratio × peak after
+    the last step (f(step) is the factor of the optimizer step after `step` are done)."""
     def f(step):
         if step < warmup_steps:
             return (step + 1) / warmup_steps
