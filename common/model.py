@@ -153,7 +153,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # Padded data brings an additive mask (causal + padding keys, see masks.py); packed
-        # data none: is_causal then selects the flash kernel's fast path.
+        # data none: is_causal then takes a fused kernel's causal path (flash in bf16 on CUDA,
+        # the memory-efficient kernel in fp32 on CUDA, the fused C++ kernel on the CPU).
         mask = None if attn_mask is None else attn_mask.to(q.dtype)
         # Grouped-query attention: each KV head serves n_heads / n_kv_heads query heads.
         gqa = self.n_kv_heads != self.n_heads
