@@ -41,7 +41,7 @@ def parse_args(argv=None):
                         help="comma-separated GPU indices for DataParallel; the first gathers "
                              "the outputs (default: every visible GPU, --device's first)")
     parser.add_argument("--loss-in-module", action="store_true",
-                        help="compute the loss in each replica: GPU 0 gathers one number per GPU")
+                        help="compute the loss in each replica: the first GPU gathers one number per GPU")
     parser.add_argument("--grad-accum", type=positive_int, default=1,
                         help="micro-batches per optimizer step (a larger batch in less memory)")
     parser.checks.append(no_compile_under_data_parallel)  # one graph, but DP copies the module each step
