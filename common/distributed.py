@@ -48,7 +48,7 @@ def backend_for(device: torch.device | str) -> str:
 def gpu_sharing_error(choice: str, cuda: bool, processes: int, gpus: int) -> str | None:
     """What is wrong with LLM_GUIDE_BACKEND=`choice` ("" when unset) for `processes`
     ranks on a machine with `gpus` GPUs (`cuda`: the ranks train on them), or None.
-    Rank r takes GPU r mod `gpus`: more ranks than GPUs share them, which gloo allows
+    Local rank r takes GPU r mod `gpus`: more ranks than GPUs share them, which gloo allows
     and nccl refuses."""
     if choice and choice not in BACKENDS:
         return f"{BACKEND_ENV}={choice!r}: choose nccl or gloo (or leave it unset)"
