@@ -350,11 +350,11 @@ def check_device(device: str) -> None:
 
 def script_parser(name: str, description: str, *, min_world: int = 2,
                   run_folder: bool = True, training: bool = False) -> Parser:
-    """The flags and checks the demo scripts (chapter 05's, chapter 03's debug_hang.py)
-    share: torchrun with at least `min_world` processes, --timeout, (if `run_folder`)
-    --save-dir and --experiment-name (default `<name>-<job id>`), and (if `training`)
-    the model and data flags of the scripts that train: --model-preset, --seq-length,
-    --batch-size, --lr, --seed, --dataset-name."""
+    """The flags and checks the demo scripts (chapter 05's, chapter 03's ddp_knobs.py and
+    debug_hang.py) share: torchrun with at least `min_world` processes, --timeout, (if
+    `run_folder`) --save-dir and --experiment-name (default `<name>-<job id>`), and (if
+    `training`) the model and data flags of the scripts that train: --model-preset,
+    --seq-length, --batch-size, --lr, --seed, --dataset-name."""
     p = Parser(description=description)
     if training:
         p.add_argument("--model-preset", default="small", type=one_of(*PRESETS), help="model size")
