@@ -82,7 +82,7 @@ def setup(args):
     dtype = args.dtype if args.dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
     # bf16 autocast: matmuls in bf16, weights and optimizer state stay fp32
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bf16" else nullcontext()
-    threads = share_cpu_threads(device)  # like for like: the same CPU threads per machine (under torchrun, a collective)
+    threads = share_cpu_threads(device)  # like for like: the same CPU threads per machine (a collective under torchrun)
     random.seed(args.seed)
     torch.manual_seed(args.seed)  # same seed on every rank: same initial weights
     if args.deterministic:  # the same bits in every rerun, on GPUs too (chapter 01's README, part 3)

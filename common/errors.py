@@ -26,7 +26,7 @@ class UsageError(Exception):
 
 
 def fail(message: str, status: int = 2):
-    """One line on stderr and exit status 2. Under torchrun every rank usually sees the
+    """One line on stderr and exit with `status` (2, bad input). Under torchrun every rank usually sees the
     same bad input: rank 0 says it at once. The other ranks wait a moment before they
     speak and exit: torchrun stops a job as soon as one worker exits with an error, so a
     rank that left first could end rank 0 before it printed. If rank 0 did not fail (a
