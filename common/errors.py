@@ -26,11 +26,11 @@ class UsageError(Exception):
 
 
 def fail(message: str, status: int = 2):
-    """One line on stderr and exit with `status` (2, bad input). Under torchrun every rank usually sees the
-    same bad input: rank 0 says it at once. The other ranks wait a moment before they
-    speak and exit: torchrun stops a job as soon as one worker exits with an error, so a
-    rank that left first could end rank 0 before it printed. If rank 0 did not fail (a
-    rank's own error), they speak for themselves after the wait."""
+    """One line on stderr, then exit with `status` (2: bad input). Under torchrun every
+    rank usually sees the same bad input: rank 0 says it at once. The other ranks wait a
+    moment before they speak and exit: torchrun stops a job as soon as one worker exits
+    with an error, so a rank that left first could end rank 0 before it printed. If rank
+    0 did not fail (a rank's own error), they speak for themselves after the wait."""
     rank = int(os.environ.get("RANK") or 0)
     if rank != 0:
         time.sleep(3.0)
