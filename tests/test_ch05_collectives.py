@@ -215,7 +215,7 @@ def test_benchmark_refuses_buffers_that_do_not_fit(tmp_path):
     assert proc.returncode != 0 and "Root Cause" in proc.stderr and "exitcode  : 2" in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, proc.stderr
-    assert errors[0].startswith(f"error: --max-bytes {2**44}: the largest buffers need about 65536.0 GiB on "
+    assert errors[0].startswith(f"error: --max-bytes {2**44}: the largest buffers need about 98304.0 GiB on "
                                 f"this machine (2 ranks) and ") and errors[0].endswith("lower --max-bytes")
     # nothing printed but torch's own: gloo 2.9 announces each rank's connection on stdout
     assert [line for line in proc.stdout.splitlines() if not line.startswith("[Gloo] ")] == [], proc.stdout

@@ -197,7 +197,7 @@ def test_bench_memory_on_a_cpu_counts_every_rank_of_the_machine():
     cpu = torch.device("cpu")
     assert bench.memory_error(1024, cpu, 8) is None
     error = bench.memory_error(2**44, cpu, 8)
-    assert "need about 262144.0 GiB on this machine (8 ranks)" in error
+    assert "need about 393216.0 GiB on this machine (8 ranks)" in error
 
 
 # ------------------------------------ 3. prove in fp64 with exact kernels, time without
