@@ -80,8 +80,8 @@ class Corpus:
     checked on first use: once the tokenizer and the token files are cached, a run never
     reads it."""
 
-    def __init__(self, name: str, identity: str, dataset=None, load=None):
-        self.name, self.identity, self._dataset, self._load = name, identity, dataset, load
+    def __init__(self, name: str, identity: str, load):
+        self.name, self.identity, self._dataset, self._load = name, identity, None, load
 
     @property
     def dataset(self):
@@ -404,9 +404,9 @@ class Documents:
         self.tokens, self.offsets, self.prefix = tokens, offsets, prefix
 
     @classmethod
-    def from_lists(cls, docs, eot_id: int, dtype=np.int64) -> "Documents":
+    def from_lists(cls, docs, eot_id: int) -> "Documents":
         """In memory, from lists of ids (small corpora, tests)."""
-        tokens = np.array([t for d in docs for t in [*d, eot_id]], dtype=dtype)
+        tokens = np.array([t for d in docs for t in [*d, eot_id]], dtype=np.int64)
         offsets = np.concatenate([[0], np.cumsum([len(d) + 1 for d in docs])]).astype(np.int64)
         return cls(tokens, offsets)
 
@@ -689,9 +689,9 @@ def build_datasets(dataset_name: str = "stdlib", seq_len: int = 256, packed: boo
                 ids["eot"], packed, dataset_name, len(train_docs) + len(val_docs), fingerprint)
 
 
-def check_enough_samples(dataset, global_batch: int, what: str = "training") -> None:
+def check_enough_samples(dataset, global_batch: int) -> None:
     if len(dataset) < global_batch:
-        raise DataError(f"the {what} set has {len(dataset)} samples, fewer than one global "
+        raise DataError(f"the training set has {len(dataset)} samples, fewer than one global "
                         f"batch of {global_batch}; lower --batch-size or --seq-length")
 
 
@@ -710,7 +710,7 @@ __all__ = ["DataError", "Corpus", "Data", "Documents", "PackedDataset", "PaddedD
            "train_tokenizer", "IGNORE_INDEX", "PAD", "BOT", "EOT", "SPECIAL_TOKENS"]
 
 
-def local_rank0_first(load, errors=(DataError,)):
+def local_rank0_first(load):
     """Run `load()` (it trains the tokenizer and tokenizes once, into the cache) and
     return its result; a DataError stops the run with one line and exit status 2.
     Under torchrun, local rank 0 of every machine goes first and fills its machine's
@@ -723,7 +723,7 @@ def local_rank0_first(load, errors=(DataError,)):
         if (local_rank == 0) == (turn == 0):
             try:
                 result = load()
-            except errors as e:
+            except DataError as e:
                 error = str(e)
         error = first_error(error, group)
         if error:
