@@ -41,7 +41,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from .distributed import first_error, patient_group
 from .durable import fsync_dir, fsync_write, is_disk_full
-from .errors import fail
+from .errors import fail, reachable
 
 PAD, BOT, EOT = "[PAD]", "[BOT]", "[EOT]"
 SPECIAL_TOKENS = [PAD, BOT, EOT]
@@ -171,22 +171,21 @@ def _read_local(name: str, files: list[str], text_column: str):
         first = str(cause).strip().splitlines()[0][:160] if str(cause).strip() else ""
         raise DataError(f"could not read {name!r} as text or JSON lines "
                         f"({type(cause).__name__}: {first})") from None
+    return _text_column(name, ds, text_column)
+
+
+def _text_column(name: str, ds, text_column: str):
+    """`ds` with only its `text_column`, named "text"; DataError if it has none."""
     if text_column not in ds.column_names:
         raise DataError(f"{name!r} has no column {text_column!r} (columns: "
                         f"{', '.join(ds.column_names)}); pass --text-column")
-    return ds.select_columns([text_column]).rename_column(text_column, "text") \
-        if text_column != "text" else ds.select_columns(["text"])
+    ds = ds.select_columns([text_column])
+    return ds.rename_column(text_column, "text") if text_column != "text" else ds
 
 
-def hub_reachable(timeout: float = 5.0) -> bool:
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-    url = urlparse(endpoint)
-    try:
-        port = url.port or (80 if url.scheme == "http" else 443)
-        socket.create_connection((url.hostname, port), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
+def hub_reachable() -> bool:
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    return reachable(url.hostname, url.port or (80 if url.scheme == "http" else 443), timeout=5.0)
 
 
 def _hub_corpus(name: str, subset: str | None, text_column: str) -> Corpus:
@@ -203,12 +202,7 @@ def _hub_corpus(name: str, subset: str | None, text_column: str) -> Corpus:
     except Exception as e:  # the hub client raises many types; one line for all
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise DataError(f"could not load {name!r} from the hub: {msg}") from None
-    if text_column not in ds.column_names:
-        raise DataError(f"{name!r} has no column {text_column!r} (columns: "
-                        f"{', '.join(ds.column_names)}); pass --text-column")
-    ds = ds.select_columns([text_column])
-    if text_column != "text":
-        ds = ds.rename_column(text_column, "text")
+    ds = _text_column(name, ds, text_column)
     return Corpus(name, f"hub-{name}-{subset}-{ds._fingerprint}",
                   load=lambda: _checked(name, ds, text_column))
 
