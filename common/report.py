@@ -101,10 +101,9 @@ def read_loss_curve(path: Path) -> list[dict]:
     return [by_step[s] for s in sorted(by_step)]
 
 
-def load_runs(summary_paths, warn=None) -> list[Run]:
+def load_runs(summary_paths) -> list[Run]:
     """Parse each summary; a corrupt or incomplete one is skipped with a warning line.
     Sorted by chapter, then experiment name."""
-    warn = warn or (lambda msg: print(msg, file=sys.stderr))
     runs = []
     for path in map(Path, summary_paths):
         try:
@@ -121,7 +120,7 @@ def load_runs(summary_paths, warn=None) -> list[Run]:
             table_rows([run])  # every cell must format: fail here, not halfway through
             row_labels([run]), tokens_labels([run])  # and every plot label (the device type)
         except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
-            warn(f"warning: skipping {path}: {e}")
+            print(f"warning: skipping {path}: {e}", file=sys.stderr)
             continue
         metrics_path = path.with_name("metrics.jsonl")
         run.metrics = read_loss_curve(metrics_path) if metrics_path.is_file() else []

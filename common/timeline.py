@@ -69,9 +69,9 @@ class RankStep:
     def collective_ms(self) -> float:
         return length(union((s, e) for _, s, e in self.collectives))
 
-    def overlapped(self, phase: str = "backward") -> list[Interval]:
-        """The collective time during which `phase` was computing."""
-        return intersection(union((s, e) for _, s, e in self.collectives), self.compute.get(phase, []))
+    def overlapped(self) -> list[Interval]:
+        """The collective time during which backward was computing."""
+        return intersection(union((s, e) for _, s, e in self.collectives), self.compute.get("backward", []))
 
     def as_dict(self) -> dict:
         return {"rank": self.rank, "step_ms": self.step_ms, "phases": self.phases,

@@ -195,18 +195,16 @@ def remove_namespaces(names: list[str]) -> None:
 
 def torchrun_argv(hosts: Hosts, i: int, script: str, script_args: list[str], *, port: int,
                   nproc_per_node: int = 1, rdzv_id: str = "two-hosts",
-                  rdzv_conf: str = "", torchrun: list[str] | None = None,
-                  extra: list[str] | None = None) -> list[str]:
+                  torchrun: list[str] | None = None) -> list[str]:
     """What a reader types on machine i: the rendezvous is hosted by host 1 at its
     address. --local-addr: what this machine tells the others to dial; without it
     torchrun advertises socket.getfqdn(), which here (and on many machines whose
     /etc/hosts maps the host name to 127.0.x.1) names the loopback. is_host=1 on host 1:
     torchrun recognises the endpoint as its own only if the host name resolves to it."""
-    items = (["is_host=1"] if i == 0 else []) + ([rdzv_conf] if rdzv_conf else [])
-    conf = [f"--rdzv-conf={','.join(items)}"] if items else []
+    conf = ["--rdzv-conf=is_host=1"] if i == 0 else []
     return [*(torchrun or ["torchrun"]), "--nnodes=2", f"--nproc-per-node={nproc_per_node}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={hosts.addrs[0]}:{port}",
-            f"--rdzv-id={rdzv_id}", f"--local-addr={hosts.addrs[i]}", *conf, *(extra or []),
+            f"--rdzv-id={rdzv_id}", f"--local-addr={hosts.addrs[i]}", *conf,
             script, *script_args, "--save-dir", str(hosts.save_dir(i))]
 
 
