@@ -215,22 +215,14 @@ def base_parser(chapter: str, description: str, *, distributed: bool = False,
 def check_args(args, *, run_dir_must_be_new: bool = True) -> None:
     """The checks that involve several flags, files or the machine. Raises UsageError."""
     check_run_folder(args, args.chapter, must_be_new=run_dir_must_be_new)
-    max_pos = PRESETS[args.model_preset]["max_position_embeddings"]
-    if args.seq_length > max_pos:
-        raise UsageError(f"--seq-length {args.seq_length} exceeds the {args.model_preset!r} "
-                         f"preset's max_position_embeddings={max_pos}")
+    check_seq_length(args)
     if args.vocab_size < 260:
         raise UsageError(f"--vocab-size {args.vocab_size} is below 260: the 256 bytes and 3 special tokens "
                          f"would leave no room for a single learned token")
     if args.vocab_size > 2**20:
         raise UsageError(f"--vocab-size {args.vocab_size} is above {2**20:,}, more than a BPE "
                          f"tokenizer can learn here")
-    try:
-        check_dataset_name(args.dataset_name)
-        if args.tokenizer:
-            load_tokenizer(args.tokenizer)
-    except DataError as e:
-        raise UsageError(str(e)) from None
+    check_data(args.dataset_name, args.tokenizer)
     check_device(args.device)
     workspace = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
     if args.deterministic and workspace not in (None, *CUBLAS_DETERMINISTIC):
@@ -241,6 +233,23 @@ def check_args(args, *, run_dir_must_be_new: bool = True) -> None:
         args.cache_dir = os.path.expanduser(args.cache_dir)
     if args.cache_dir and os.path.exists(args.cache_dir) and not os.path.isdir(args.cache_dir):
         raise UsageError(f"--cache-dir {args.cache_dir!r} exists and is not a folder")
+
+
+def check_seq_length(args) -> None:
+    max_pos = PRESETS[args.model_preset]["max_position_embeddings"]
+    if args.seq_length > max_pos:
+        raise UsageError(f"--seq-length {args.seq_length} exceeds the {args.model_preset!r} "
+                         f"preset's max_position_embeddings={max_pos}")
+
+
+def check_data(dataset_name: str, tokenizer: str | None = None) -> None:
+    """--dataset-name (and --tokenizer, if given) checked without loading the corpus."""
+    try:
+        check_dataset_name(dataset_name)
+        if tokenizer:
+            load_tokenizer(tokenizer)
+    except DataError as e:
+        raise UsageError(str(e)) from None
 
 
 def check_launch_one(args) -> None:
@@ -291,7 +300,6 @@ def check_run_folder(args, name_prefix: str, *, must_be_new: bool = True) -> Non
                          f"choose another --experiment-name or remove it")
 
 
-
 def check_writable_folder(path: str | os.PathLike, flag: str) -> None:
     """An output folder that can be created and written: its nearest existing part must be
     a folder that takes a file (read-only or full file systems do not). Probes with a file
@@ -311,6 +319,7 @@ def check_writable_folder(path: str | os.PathLike, flag: str) -> None:
     except OSError as e:
         raise UsageError(f"{flag} {str(path)!r}: cannot write in {str(existing)!r} "
                          f"({e.strerror or e})") from None
+
 
 def default_run_name(prefix: str, save_dir: Path) -> str:
     """`<prefix>-<timestamp>` (-2, -3, ... after it when a run of the same second has that
@@ -363,17 +372,7 @@ def script_parser(name: str, description: str, *, min_world: int = 2,
         p.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW learning rate (constant)")
         p.add_argument("--seed", type=seed_value, default=0, help="initial weights (plus rank), data order")
         p.add_argument("--dataset-name", default="stdlib", help="'stdlib', a hub id, or a local path")
-
-        def check_training(args):
-            max_pos = PRESETS[args.model_preset]["max_position_embeddings"]
-            if args.seq_length > max_pos:
-                raise UsageError(f"--seq-length {args.seq_length} exceeds the {args.model_preset!r} "
-                                 f"preset's max_position_embeddings={max_pos}")
-            try:
-                check_dataset_name(args.dataset_name)
-            except DataError as e:
-                raise UsageError(str(e)) from None
-        p.checks.append(check_training)
+        p.checks += [check_seq_length, lambda args: check_data(args.dataset_name)]
     p.add_argument("--timeout", type=seconds, default=600,
                    help="seconds a collective may wait for the other ranks before failing")
     if run_folder:
@@ -423,7 +422,7 @@ def cuda_device_ids(text: str) -> list[int]:
 def no_compile_under_data_parallel(args) -> None:
     """Chapter 02: --compile where DataParallel runs (2+ GPUs) is refused, not dropped in
     silence: DataParallel copies the module to its GPUs every step. Raises UsageError."""
-    cuda = torch.cuda.is_available() and not args.device.startswith(("cpu", "mps"))
+    cuda = torch.cuda.is_available() and not args.device.startswith("cpu")
     gpus = len(args.device_ids or range(torch.cuda.device_count())) if cuda else 0
     if args.compile and gpus >= 2:
         raise UsageError(f"--compile does not apply under nn.DataParallel ({gpus} GPUs): drop it, or "
