@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 
-from .cli import Parser, non_negative_int, positive_int
+from .cli import Parser, check_device, non_negative_int, positive_int
 from .data import DEFAULT_VOCAB_SIZE
 from .environment import device_name
 from .jsonfiles import write_json
@@ -195,17 +195,11 @@ def main(argv=None):
     p.add_argument("--profile", type=non_negative_int, default=0, metavar="STEPS",
                    help="then profile this many training steps per mode: where the time went "
                         "(matmul, attention, optimizer, other, idle) and the busiest kernels")
+    p.checks.append(lambda args: check_device(args.device))
     args = p.parse_args(argv)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        p.error(f"--device {args.device!r} is not a device (auto, cpu, cuda:N)")
-    if device.type not in ("cpu", "cuda"):
-        p.error(f"--device {args.device!r} is not supported (auto, cpu, cuda:N)")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        p.error(f"--device {args.device}: CUDA is not available here")
+    device = torch.device(args.device)
     if args.json is not None and not args.json.parent.is_dir():
         p.error(f"--json {str(args.json)!r}: its folder does not exist")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .cli import Parser
+from .cli import Parser, check_device
 from .environment import device_name, set_tf32
 from .peak_flops import (busy, cache_path, cached_peak, cached_record, datasheet_peak, matmul_precision,
                          measured_peak)
@@ -25,16 +25,10 @@ def main(argv=None):
                    help="the run's dtype; auto: bf16 on CUDA, fp32 on CPU, as the chapters")
     p.add_argument("--remeasure", action="store_true",
                    help="measure even when a cached value exists, and overwrite it")
+    p.checks.append(lambda args: check_device(args.device))
     args = p.parse_args(argv)
-    cuda = torch.cuda.is_available()
-    try:
-        device = torch.device(("cuda" if cuda else "cpu") if args.device == "auto" else args.device)
-    except RuntimeError:
-        device = None
-    if device is None or device.type not in ("cpu", "cuda"):
-        p.error(f"--device {args.device!r}: choose auto, cpu, cuda or cuda:N")
-    if device.type == "cuda" and not cuda:
-        p.error(f"--device {args.device}: CUDA is not available here")
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto"
+                          else args.device)
     dtype = ("bf16" if device.type == "cuda" else "fp32") if args.dtype == "auto" else args.dtype
     if device.type == "cuda":
         set_tf32(True)  # as the chapters set it
