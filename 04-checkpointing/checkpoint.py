@@ -269,8 +269,9 @@ def load_latest(candidates: list[Path], train_state: TrainState, settings: dict,
     path, error, mismatch = None, None, None
     # Rank 0 reads the whole checkpoint twice (checksums, then the load) while the others
     # wait: disk time that grows with the model, so they wait on a group that --timeout
-    # (meant for collectives) does not cut short. A collective: every rank creates it.
-    waiting = patient_group() if dist.is_initialized() else None
+    # (meant for collectives) does not cut short. A collective: every rank creates it
+    # (None without a process group).
+    waiting = patient_group()
     if rank == 0:
         for candidate in candidates:
             try:
