@@ -20,7 +20,7 @@ import pytest
 
 from common import runfolder
 from common.runfolder import claim_run_folder
-from conftest import REPO, read_json, read_jsonl, run, torchrun_cmd
+from conftest import read_json, read_jsonl, run, run_folder_held, torchrun_cmd
 from warm import children, running
 from ch04_runs import (CRASH, FREQ, NAME, SCRIPT, STEPS, assert_same_as_uninterrupted, copy_run, flags,
                        kill_job, snapshot, start_job, step_dir, train)
@@ -83,21 +83,13 @@ def test_a_torn_last_metrics_line_does_not_block_the_resume(tmp_path, crashed, u
 def test_a_second_job_on_the_same_folder_is_refused(tmp_path):
     """One owner at a time: the lock names the owner, holds without its note, and goes
     when the owner's process does."""
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from common.runfolder import claim_run_folder; "
-         "claim_run_folder(__import__('pathlib').Path(sys.argv[1])); print('held', flush=True); "
-         "time.sleep(600)", str(tmp_path / NAME)], cwd=REPO, stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "held"
+    with run_folder_held(tmp_path / NAME) as holder:
         proc = train(tmp_path, check=False)
         assert proc.returncode != 0
         assert f"run folder '{tmp_path / NAME}' is in use by pid {holder.pid}" in proc.stderr
         (tmp_path / NAME / ".owner").unlink()  # the note of who holds it, not the lock
         proc = train(tmp_path, check=False)
         assert proc.returncode != 0 and f"run folder '{tmp_path / NAME}' is in use by another job" in proc.stderr
-    finally:
-        holder.kill()
-        holder.wait()
     train(tmp_path)  # the holder is gone: so is its lock
     assert read_json(tmp_path / NAME / "summary.json")["chapter"] == "04-checkpointing"
 

@@ -57,7 +57,7 @@ def test_png_and_chrome_traces_are_written(traced):
         events = json.loads((run_dir / f"trace-{mode}.json").read_text())["traceEvents"]
         names = {e["args"]["name"] for e in events if e.get("name") == "process_name"}
         assert any(n.startswith("rank 0") for n in names) and any(n.startswith("rank 1") for n in names)
-        for r, step in enumerate(rank_steps({"traceEvents": events}, 2)):
+        for step in rank_steps({"traceEvents": events}, 2):
             assert [p for p, *_ in step.phases if p != "sync"] == ["forward", "backward", "optimizer"]
             assert step.collectives and all(name == "all_reduce" for name, *_ in step.collectives)
         gloo = {e["tid"] for e in events if e.get("name", "").startswith("gloo:")}
