@@ -10,7 +10,8 @@ layers (no module imports one that imports it back):
 - `training`: optimizer, learning-rate schedule, validation, a text sample.
 - `tracker`: a training loop's bookkeeping, built on `timing` (phase timers, tokens/s),
   `jsonfiles` (metrics.jsonl, atomic JSON), `summary` (summary.json, the throughput
-  table), `tables` (Markdown) and `peak_flops` (the FLOP/s MFU is measured against).
+  table), `tables` (Markdown) and `peak_flops` (the FLOP/s MFU is measured against);
+  `step_profile`: where a training step's time goes (`bench_model --profile`).
 - `distributed`: process-group helpers (the backend for a device, the restart-safe join,
   teardown);
   `net_errors`: network setups that cannot work, said in one line.
@@ -18,9 +19,10 @@ layers (no module imports one that imports it back):
 - `checkpoint_folder`, `durable`: the housekeeping around chapter 04's checkpoints
   (committing on rank 0, pruning, the settings that define a run; checksums, fsync,
   atomic writes). The lesson itself is in the chapter's folder.
-- `proof`, `sharding`: chapter 05's comparisons and sharding measurements.
+- `proof`, `sharding`, `timeline`: chapter 05's comparisons, sharding measurements and
+  profiler traces.
 
 Command-line tools, which no library module imports: `report`, `tour`, `bench_model`,
-`peak`, `gpu_check` (everything measured on a GPU; `python -m common.X`), and `two_hosts`
-(two simulated hosts for tests).
+`peak`, `plan`, `data_memory`, `gpu_check` (everything measured on a GPU; `python -m
+common.X`), and `two_hosts` (two simulated hosts for tests).
 """

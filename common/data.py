@@ -698,10 +698,11 @@ def dataset_info(data: Data) -> dict:
 
 __all__ = ["DataError", "Corpus", "Data", "Documents", "PackedDataset", "PaddedDataset",
            "build_datasets", "check_dataset_name", "check_enough_samples", "dataset_info",
-           "default_cache_dir", "get_tokenizer", "load_corpus", "load_tokenizer", "looks_local",
-           "local_files", "open_corpus", "special_ids", "split_mask", "stdlib_files",
-           "token_cache_path", "token_dtype", "token_files", "write_token_files", "tokenize_corpus",
-           "train_tokenizer", "IGNORE_INDEX", "PAD", "BOT", "EOT", "SPECIAL_TOKENS"]
+           "default_cache_dir", "fixed_batches", "get_tokenizer", "load_corpus", "load_tokenizer",
+           "local_rank0_first", "looks_local", "local_files", "open_corpus", "show_progress",
+           "special_ids", "split_mask", "stdlib_files", "token_cache_path", "token_dtype",
+           "token_files", "write_token_files", "tokenize_corpus", "train_tokenizer",
+           "DEFAULT_VOCAB_SIZE", "IGNORE_INDEX", "PAD", "BOT", "EOT", "SPECIAL_TOKENS"]
 
 
 def local_rank0_first(load):
