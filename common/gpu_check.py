@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from .errors import fail
-from .jsonfiles import write_json
+from .jsonfiles import read_json_or_none, write_json
 
 REPO = Path(__file__).resolve().parents[1]
 WHEELS = REPO / ".whl"
@@ -202,13 +202,6 @@ def targets(results: dict) -> list[dict]:
         out.append({"target": what, "at_least": at_least, "value": value,
                     "met": None if value is None or results.get("rehearsal") else value >= at_least})
     return out
-
-
-def read_json_or_none(path: Path):
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def download_wheels(dest: Path, python_version: str, packages: list[str], exclude: list[str],

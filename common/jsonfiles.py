@@ -47,6 +47,14 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
     return records
 
 
+def read_json_or_none(path: str | os.PathLike) -> dict | list | None:
+    """A whole JSON file, or None if it is missing, unreadable or not JSON."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def write_jsonl(path: str | os.PathLike, records: list[dict]):
     """Rewrite a JSON-lines file atomically (a resumed run drops lines it will redo)."""
     path = Path(path)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import fcntl
-import json
 import os
 import shlex
 import subprocess
@@ -29,6 +28,7 @@ from pathlib import Path
 from . import report, sharding, timeline
 from .cli import DEFAULT_SAVE_DIR, REPO_ROOT, Parser, check_writable_folder, unused_name
 from .errors import UsageError
+from .jsonfiles import read_json_or_none
 from .model import PRESETS
 from .tables import markdown_table
 
@@ -329,13 +329,6 @@ def log_tail(path: Path, lines: int = 25) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def read_json(path: Path) -> dict | list | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def bench_table(obj) -> str | None:
     """bench_collectives.json as one row per message size, one busbw column per collective
     (the number to hold against the link speed), plus the time per call of the largest."""
@@ -455,7 +448,7 @@ def print_summary(args, steps_run: list[Step], started: float):
     tables = []  # (title, json file, table)
     for name, title, render in CHAPTER_05_TABLES:
         for path in sorted(out.rglob(name)):
-            table = render(read_json(path))
+            table = render(read_json_or_none(path))
             if table:
                 tables.append((title, path, table))
     sections = [*said, *(f"## {title}\n\nfrom `{path.relative_to(out)}`\n\n{table}"
