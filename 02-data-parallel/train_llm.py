@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 # Runnable from the repo root or from inside this folder, installed or not.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.cli import base_parser, cuda_device_ids, no_compile_under_data_parallel, positive_int, setup_logging  # noqa: E402
-from common.data import IGNORE_INDEX, build_datasets, check_enough_samples, dataset_info, local_rank0_first  # noqa: E402
+from common.data import IGNORE_INDEX, build_datasets, check_enough_samples, dataset_info, local_rank0_first, worker_start_method  # noqa: E402
 from common.environment import environment_info, exit_with_launcher, set_tf32, share_cpu_threads  # noqa: E402
 from common.errors import run_main  # noqa: E402
 from common.masks import build_attention_mask  # noqa: E402
@@ -93,6 +93,7 @@ def load_data(args, device):
     loader = DataLoader(data.train, batch_size=args.batch_size, sampler=sampler,
                         drop_last=True,  # every step sees a full batch
                         num_workers=args.num_workers, pin_memory=device.type == "cuda",
+                        multiprocessing_context=worker_start_method(args.num_workers),  # fork on Linux
                         generator=torch.Generator().manual_seed(args.seed))  # not the global RNG
     val_loader = DataLoader(data.val, batch_size=args.batch_size, num_workers=0)
     return data, sampler, loader, val_loader

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 # Runnable from the repo root or from inside this folder, installed or not.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.cli import base_parser, positive_int, setup_logging  # noqa: E402
-from common.data import IGNORE_INDEX, build_datasets, check_enough_samples, dataset_info, local_rank0_first  # noqa: E402
+from common.data import IGNORE_INDEX, build_datasets, check_enough_samples, dataset_info, local_rank0_first, worker_start_method  # noqa: E402
 from common.distributed import DDP_NO_BUFFER_SYNC, backend_for, gc_and_destroy_process_group  # noqa: E402
 from common.environment import environment_info, exit_with_launcher, set_tf32, share_cpu_threads  # noqa: E402
 from common.errors import run_main  # noqa: E402
@@ -98,6 +98,7 @@ def load_data(args, device, rank, world_size):
     loader = DataLoader(data.train, batch_size=args.batch_size, sampler=sampler,
                         drop_last=True,  # every step sees a full batch
                         num_workers=args.num_workers, pin_memory=device.type == "cuda",
+                        multiprocessing_context=worker_start_method(args.num_workers),  # fork on Linux
                         generator=torch.Generator().manual_seed(args.seed))  # not the global RNG
     # Validation is split too: rank r evaluates samples r, r + world_size, ...
     val_sampler = DistributedSampler(data.val, num_replicas=world_size, rank=rank, shuffle=False)

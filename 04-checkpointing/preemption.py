@@ -18,6 +18,7 @@ stops alone leaves the others waiting in a collective. So:
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import sys
@@ -38,10 +39,15 @@ def data_workers_apart(worker_id: int):
     workers, kill -- -PGID) reach the trainer alone. The worker still ends with its
     trainer: the DataLoader stops it (by its pid), and a trainer that dies first (killed,
     or gone at once after a peer stopped answering) takes it along at that moment (the
-    kernel's parent-death signal on Linux), not at the DataLoader's next check (every 5 s)."""
+    kernel's parent-death signal on Linux; where workers start from a fork server, Python
+    3.14's default, the server is the parent, and it ends with the trainer), not at the
+    DataLoader's next check (every 5 s)."""
     os.setpgid(0, 0)
-    if end_with_parent(signal.SIGKILL) and os.getppid() == 1:
-        os._exit(0)  # the trainer died before the request took hold (init adopted us)
+    trainer = multiprocessing.parent_process()
+    if end_with_parent(signal.SIGKILL) and trainer is not None and not trainer.is_alive():
+        # The trainer died before the request took hold. (The orphan's new parent is not
+        # always init, pid 1: a desktop's systemd user manager adopts it, for one.)
+        os._exit(0)
 
 
 class StopRequest:

@@ -701,8 +701,20 @@ __all__ = ["DataError", "Corpus", "Data", "Documents", "PackedDataset", "PaddedD
            "default_cache_dir", "fixed_batches", "get_tokenizer", "load_corpus", "load_tokenizer",
            "local_rank0_first", "looks_local", "local_files", "open_corpus", "show_progress",
            "special_ids", "split_mask", "stdlib_files", "token_cache_path", "token_dtype",
-           "token_files", "write_token_files", "tokenize_corpus", "train_tokenizer",
+           "token_files", "write_token_files", "tokenize_corpus", "train_tokenizer", "worker_start_method",
            "DEFAULT_VOCAB_SIZE", "IGNORE_INDEX", "PAD", "BOT", "EOT", "SPECIAL_TOKENS"]
+
+
+def worker_start_method(num_workers: int) -> str | None:
+    """How the chapters' DataLoader workers start: by fork on Linux (its default through
+    Python 3.13), so a worker shares the trainer's memory and dies with it. Python 3.14's
+    default, forkserver, starts them from a server process instead: a trainer killed by
+    SIGKILL then leaves its workers and the server running for good (torch's workers
+    watch their parent, the server, which each worker keeps alive), and a stop signal to
+    the trainer's process group ends the server and with it the workers that chapter 04
+    keeps out of that group. Elsewhere (macOS, Windows), and without workers (where the
+    DataLoader takes none), the default."""
+    return "fork" if num_workers > 0 and sys.platform.startswith("linux") else None
 
 
 def local_rank0_first(load):

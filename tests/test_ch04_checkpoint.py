@@ -8,8 +8,10 @@ settings are refused by name; a resumed epoch starts mid-way."""
 from __future__ import annotations
 
 import argparse
+import ctypes
 import io
 import json
+import multiprocessing
 import os
 import pickle
 import random
@@ -23,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from common.checkpoint_folder import RUN_DEFINING_FLAGS, run_settings, unchanged_on_error
+from common.data import worker_start_method
 from common.durable import read_manifest, sha256_of
 from conftest import load_script, run, torchrun_cmd
 from warm import children, running
@@ -30,6 +33,8 @@ from warm import children, running
 ch04 = load_script("04-checkpointing/train_llm.py")  # puts its folder on sys.path
 import checkpoint  # noqa: E402  the chapter's lesson module, beside the script
 import preemption  # noqa: E402
+
+PR_SET_CHILD_SUBREAPER = 36  # prctl: orphaned descendants are adopted by this process
 
 SETTINGS = {"lr": 1.0}
 
@@ -214,28 +219,41 @@ def test_run_settings_name_the_flags_the_data_and_the_format():
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+class WorkerPids(torch.utils.data.Dataset):
+    """Each sample is the pid of the worker that read it (and that worker's process group)."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return torch.tensor([os.getpid(), os.getpgid(0)])
+
+
 def test_a_data_worker_leaves_the_trainers_group_and_dies_with_it():
     """data_workers_apart: the DataLoader's worker is in a process group of its own (a
     signal to the trainer's group misses it), and a trainer that dies without stopping it
     (os._exit, as after a peer stopped answering) takes it along at once: the DataLoader's
-    own check would notice only within 5 s."""
+    own check would notice only within 5 s. With the chapters' start method (fork on
+    Linux), also where forkserver is the default (Python 3.14): the worker is the
+    trainer's child, not a fork server's."""
     ready_r, ready_w = os.pipe()
     go_r, go_w = os.pipe()
     trainer = os.fork()
     if trainer == 0:
         try:
-            loader = torch.utils.data.DataLoader(range(8), num_workers=1,
+            multiprocessing.set_start_method("forkserver", force=True)
+            loader = torch.utils.data.DataLoader(WorkerPids(), num_workers=1, batch_size=None,
+                                                 multiprocessing_context=worker_start_method(1),
                                                  worker_init_fn=preemption.data_workers_apart)
             batches = iter(loader)
-            next(batches)  # the worker runs
-            os.write(ready_w, b"1")
+            os.write(ready_w, " ".join(map(str, next(batches).tolist())).encode())  # the worker runs
             os.read(go_r, 1)
         finally:
             os._exit(0)
     try:
-        assert os.read(ready_r, 1) == b"1"
-        [worker] = children(trainer)
-        assert os.getpgid(worker) == worker != os.getpgid(trainer)
+        worker, group = map(int, os.read(ready_r, 64).split())
+        assert group == worker != os.getpgid(trainer) and running(worker)
+        assert worker in children(trainer)
     finally:
         os.write(go_w, b"1")
         os.waitpid(trainer, 0)
@@ -246,6 +264,41 @@ def test_a_data_worker_leaves_the_trainers_group_and_dies_with_it():
     if running(worker):
         os.kill(worker, signal.SIGKILL)
     assert gone_after < 2.5, f"the worker outlived its trainer by {gone_after:.1f} s"
+
+
+def _a_worker_started_late(trainer_gone):
+    os.read(trainer_gone, 1)  # its trainer has died: data_workers_apart comes too late
+    preemption.data_workers_apart(0)
+    os._exit(3)  # it would have lived on
+
+
+def test_a_data_worker_whose_trainer_died_before_it_asked_exits_whoever_adopts_it():
+    """The trainer may die between starting a worker and the worker's request for the
+    parent-death signal; the worker then sees that its trainer is gone and exits. The
+    orphan's new parent need not be init (pid 1): here, as under a desktop's systemd user
+    manager, a subreaper adopts it."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    status_r, status_w = os.pipe()
+    reaper = os.fork()
+    if reaper == 0:
+        try:
+            assert libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+            gone_r, gone_w = os.pipe()
+            trainer = os.fork()
+            if trainer == 0:  # starts its worker and dies at once
+                multiprocessing.get_context("fork").Process(target=_a_worker_started_late,
+                                                            args=(gone_r,)).start()
+                os._exit(0)
+            os.waitpid(trainer, 0)
+            os.write(gone_w, b"1")
+            _, status = os.wait()  # the orphaned worker: this process adopted it
+            os.write(status_w, str(os.waitstatus_to_exitcode(status)).encode())
+        finally:
+            os._exit(0)
+    try:
+        assert os.read(status_r, 16) == b"0", "the orphaned worker lived on"
+    finally:
+        os.waitpid(reaper, 0)
 
 
 def test_iterating_the_loader_leaves_the_global_generator_alone():

@@ -20,10 +20,12 @@ import pytest
 
 from common import runfolder
 from common.runfolder import claim_run_folder
-from conftest import read_json, read_jsonl, run, run_folder_held, torchrun_cmd
-from warm import children, running
+from conftest import REPO, read_json, read_jsonl, run, run_folder_held, torchrun_cmd
+from warm import children, in_session, running
 from ch04_runs import (CRASH, FREQ, NAME, SCRIPT, STEPS, assert_same_as_uninterrupted, copy_run, flags,
                        kill_job, snapshot, start_job, step_dir, train)
+
+FORKSERVER_DEFAULT = REPO / "tests" / "forkserver_default.py"  # runs SCRIPT as Python 3.14 would
 
 
 def test_another_preset_is_refused_before_anything_changes(tmp_path, crashed):
@@ -212,11 +214,14 @@ def test_a_signal_saves_a_checkpoint_and_the_rerun_continues_exactly(tmp_path, u
     """What a scheduler (SIGTERM) or Ctrl-C (SIGINT) does, with the default DataLoader
     worker: torchrun passes the signal on to each worker's process group; the current
     step ends, a checkpoint is written, one line says so, the job exits non-zero within
-    seconds. SIGTERM under torchrun itself (its agent passes the signal on), SIGINT
-    through the warm launcher, which passes it on as torchrun does. The SIGINT job runs
-    with --deterministic, as the GPU test of exact resume does: on a CPU, whose kernels
-    are deterministic anyway, it changes no number, and the resumed run says it ran so."""
-    cmd = [str(c) for c in torchrun_cmd(2, SCRIPT, *flags(tmp_path, "--ckpt-freq", 100, *extra))]
+    seconds. SIGTERM under torchrun itself (its agent passes the signal on), with
+    forkserver as the default start method (Python 3.14's: its server, in the trainer's
+    group, would die of the signal and take the worker along); SIGINT through the warm
+    launcher, which passes it on as torchrun does. The SIGINT job runs with
+    --deterministic, as the GPU test of exact resume does: on a CPU, whose kernels are
+    deterministic anyway, it changes no number, and the resumed run says it ran so."""
+    script = [FORKSERVER_DEFAULT, SCRIPT] if sig == signal.SIGTERM else [SCRIPT]
+    cmd = [str(c) for c in torchrun_cmd(2, *script, *flags(tmp_path, "--ckpt-freq", 100, *extra))]
     metrics = tmp_path / NAME / "metrics.jsonl"
     job = start_job(cmd, tmp_path / "job.log", warm=sig == signal.SIGINT,
                     until=lambda: metrics.exists() and metrics.read_text().count("\n") >= 5)
@@ -249,27 +254,33 @@ def test_a_signal_saves_a_checkpoint_and_the_rerun_continues_exactly(tmp_path, u
 
 
 def test_workers_stop_when_their_launcher_is_killed(tmp_path):
-    """kill -9 of torchrun alone (the OOM killer's choice, say): its workers notice and
-    stop, instead of training on as orphans that a rerun would collide with. (The warm
+    """kill -9 of torchrun (the OOM killer's choice, say) and of one of its workers: the
+    other worker notices and stops, instead of training on as an orphan that a rerun
+    would collide with, and no process either started (their DataLoader workers)
+    outlives them, also with forkserver as the default start method (Python 3.14's),
+    whose server and workers would outlive a killed trainer for good. (The warm
     launcher's ranks are its children, as torchrun's workers are its.)"""
-    cmd = torchrun_cmd(2, SCRIPT, *flags(tmp_path, "--max-steps", 400))
+    cmd = torchrun_cmd(2, FORKSERVER_DEFAULT, SCRIPT, *flags(tmp_path, "--max-steps", 400))
     metrics = tmp_path / NAME / "metrics.jsonl"
     job = start_job(cmd, tmp_path / "job.log", until=lambda: metrics.exists() and bool(metrics.read_text()))
     workers = children(job.pid)
     assert len(workers) == 2
+    started = {w: in_session(w) for w in workers}  # each rank leads a session of its own
+    assert all(len(procs) >= 2 for procs in started.values()), started  # its DataLoader worker
     os.kill(job.pid, signal.SIGKILL)
+    os.kill(workers[0], signal.SIGKILL)
     job.wait()
     deadline = time.monotonic() + 30
     alive = workers
     while alive and time.monotonic() < deadline:
-        alive = [w for w in workers if running(w)]
+        alive = [p for w in workers for p in in_session(w)]
         time.sleep(0.1)
-    for w in alive:  # cleanup before the verdict
+    for p in alive:  # cleanup before the verdict
         try:
-            os.killpg(w, signal.SIGKILL)
+            os.kill(p, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    assert not alive, f"orphaned workers still running: {alive}"
+    assert not alive, f"still running: {alive} of {started}"
     assert len(read_jsonl(metrics)) < 400
 
 

@@ -59,6 +59,22 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def in_session(sid: int) -> list[int]:
+    """The running processes of session `sid` (a launch started in a session of its own
+    and all it started, unless one left it)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid and fields[0] != "Z":
+                found.append(int(entry))
+    return found
+
+
 def running(pid: int) -> bool:
     """Alive and not a zombie (what /proc says)."""
     try:
