@@ -39,9 +39,8 @@ def data_workers_apart(worker_id: int):
     workers, kill -- -PGID) reach the trainer alone. The worker still ends with its
     trainer: the DataLoader stops it (by its pid), and a trainer that dies first (killed,
     or gone at once after a peer stopped answering) takes it along at that moment (the
-    kernel's parent-death signal on Linux; where workers start from a fork server, Python
-    3.14's default, the server is the parent, and it ends with the trainer), not at the
-    DataLoader's next check (every 5 s)."""
+    kernel's parent-death signal on Linux, where the chapters fork their workers: see
+    `worker_start_method`), not at the DataLoader's next check (every 5 s)."""
     os.setpgid(0, 0)
     trainer = multiprocessing.parent_process()
     if end_with_parent(signal.SIGKILL) and trainer is not None and not trainer.is_alive():
