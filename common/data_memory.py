@@ -187,7 +187,7 @@ def enough_tokens(args) -> None:
     least = MIN_TOKENS_PER_RANK * args.nproc_per_node
     if min(args.tokens) < least:
         raise UsageError(f"--tokens {min(args.tokens):,}: at least {least:,} with "
-                         f"--nproc-per-node {args.nproc_per_node} (5,000 per rank)")
+                         f"--nproc-per-node {args.nproc_per_node} ({MIN_TOKENS_PER_RANK:,} per rank)")
 
 
 def main(argv=None):
@@ -196,7 +196,7 @@ def main(argv=None):
         return report_rank(argv[1], argv[2], argv[3:])
     p = Parser(prog="python -m common.data_memory", description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=positive_int, nargs="+", default=[1_000_000, 200_000_000],
-                   help="corpus sizes in tokens, each at least 5,000 per rank; the first is "
+                   help=f"corpus sizes in tokens, each at least {MIN_TOKENS_PER_RANK:,} per rank; the first is "
                         "the baseline")
     p.add_argument("--nproc-per-node", type=positive_int, default=4, help="chapter 03's ranks")
     p.add_argument("--steps", type=positive_int, default=5, help="training steps of each run")

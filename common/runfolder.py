@@ -44,14 +44,16 @@ _held = []  # folder descriptors kept open (hence locked), lock files: until the
 log = logging.getLogger(__name__)
 
 
-def claim_run_folder(run_dir: Path, *, rank: int = 0, resumes: bool = False) -> Path:
+def claim_run_folder(run_dir: Path, *, rank: int = 0, resumes: bool = False,
+                     flag: str = "--experiment-name") -> Path:
     """Create and lock `run_dir` (rank 0); every rank hears a refusal and stops with it.
     Unless `resumes`, a folder already holding results is refused, as at parse time:
-    the check is repeated under the lock, where no other job can race it."""
+    the check is repeated under the lock, where no other job can race it. A refusal
+    names `flag` as what to change."""
     error = None
     if rank == 0:
         try:
-            error = _claim(Path(run_dir), resumes)
+            error = _claim(Path(run_dir), resumes, flag)
         except OSError as e:
             error = f"cannot create the run folder {str(run_dir)!r}: {e.strerror or e}"
     error = first_error(error)
@@ -60,7 +62,7 @@ def claim_run_folder(run_dir: Path, *, rank: int = 0, resumes: bool = False) -> 
     return Path(run_dir)
 
 
-def _claim(run_dir: Path, resumes: bool) -> str | None:
+def _claim(run_dir: Path, resumes: bool, flag: str) -> str | None:
     run_dir.mkdir(parents=True, exist_ok=True)
     fstype, options = mount_of(run_dir)
     unsafe = ("Lustre mounted with localflock locks per node only"
@@ -75,7 +77,7 @@ def _claim(run_dir: Path, resumes: bool) -> str | None:
             os.close(fd)
             lease = " (on NFS a crashed job's lock lasts until its lease ends, about 90 s)" \
                 if fstype.startswith("nfs") else ""
-            return _in_use(run_dir, _owner(run_dir)) + lease
+            return _in_use(run_dir, _owner(run_dir), flag) + lease
         except OSError as e:
             os.close(fd)
             if e.errno not in NO_FLOCK:
@@ -84,16 +86,16 @@ def _claim(run_dir: Path, resumes: bool) -> str | None:
         else:
             if not resumes and holds_results(run_dir):
                 os.close(fd)
-                return _not_empty(run_dir)
+                return _not_empty(run_dir, flag)
             (run_dir / OWNER_FILE).write_text(_owner_line())
             _held.append(fd)
             return None
     log.warning("run folder %s: %s; its lock is %s instead, created only if absent and removed "
                 "at exit", run_dir, unsafe, OWNER_FILE)
-    return _claim_with_file(run_dir, resumes)
+    return _claim_with_file(run_dir, resumes, flag)
 
 
-def _claim_with_file(run_dir: Path, resumes: bool) -> str | None:
+def _claim_with_file(run_dir: Path, resumes: bool, flag: str) -> str | None:
     """The lock is `.owner` itself: made complete beside it, then hard-linked to its name,
     which fails if the name exists (atomic, NFS included). A stale one is taken over."""
     lock, mine = run_dir / OWNER_FILE, _owner_line()
@@ -108,16 +110,16 @@ def _claim_with_file(run_dir: Path, resumes: bool) -> str | None:
                 holder = _owner(run_dir)
                 why = _gone(holder)
                 if why is None or not _take_over(lock, holder):
-                    return _in_use(run_dir, holder) + f"; if that job is gone, delete {lock}"
+                    return _in_use(run_dir, holder, flag) + f"; if that job is gone, delete {lock}"
                 log.warning("run folder %s: %s left by %s, which %s: taken over", run_dir,
                             OWNER_FILE, holder, why)
         else:
-            return _in_use(run_dir, _owner(run_dir))
+            return _in_use(run_dir, _owner(run_dir), flag)
     finally:
         draft.unlink(missing_ok=True)
     if not resumes and holds_results(run_dir):
         _release(lock, mine)
-        return _not_empty(run_dir)
+        return _not_empty(run_dir, flag)
     _held.append((lock, mine))
     return None
 
@@ -230,14 +232,14 @@ def holds_results(run_dir: Path) -> bool:
         for p in run_dir.iterdir())
 
 
-def _in_use(run_dir: Path, owner: str) -> str:
+def _in_use(run_dir: Path, owner: str, flag: str) -> str:
     return (f"run folder {str(run_dir)!r} is in use by {owner or 'another job'}; wait for it to "
-            f"end or choose another --experiment-name")
+            f"end or choose another {flag}")
 
 
-def _not_empty(run_dir: Path) -> str:
+def _not_empty(run_dir: Path, flag: str) -> str:
     return (f"run folder {str(run_dir)!r} already exists and is not empty; choose another "
-            f"--experiment-name or remove it")
+            f"{flag} or remove it")
 
 
 atexit.register(release_run_folders)

@@ -16,7 +16,6 @@ plots, chapter 05's tables, the explanations, and a list of every file produced.
 from __future__ import annotations
 
 import argparse
-import fcntl
 import os
 import shlex
 import subprocess
@@ -30,6 +29,7 @@ from .cli import DEFAULT_SAVE_DIR, REPO_ROOT, Parser, check_writable_folder, unu
 from .errors import UsageError
 from .jsonfiles import read_json_or_none
 from .model import PRESETS
+from .runfolder import claim_run_folder, holds_results
 from .tables import markdown_table
 
 CHAPTERS = ("01-single-gpu", "02-data-parallel", "03-ddp", "04-checkpointing", "05-collectives")
@@ -135,7 +135,7 @@ def parse_args(argv=None, gpus: int | None = None) -> argparse.Namespace:
                          f"then a crash, then the resumed run)")
     # '~/tour' quoted means the home folder, as the shell would (not a folder named '~')
     out = Path(args.out).expanduser() if args.out else unused_default_out()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if out.exists() and (not out.is_dir() or holds_results(out)):  # its lock file does not count
         raise UsageError(f"--out {str(out)!r} already exists and is not an empty folder; "
                          f"choose another or remove it")
     check_writable_folder(out, "--out")  # read-only or under a file: say so now, not at the end
@@ -147,25 +147,6 @@ def unused_default_out() -> Path:
     """outputs/tour-<timestamp>, or -2, -3, ... after it when a tour started in the same
     second has that name."""
     return DEFAULT_SAVE_DIR / unused_name(DEFAULT_SAVE_DIR, f"tour-{time.strftime('%Y%m%d-%H%M%S')}")
-
-
-def hold_tour_folder(out: Path) -> None:
-    """Lock the tour folder for as long as this process lives (the kernel drops the lock
-    however it ends), then check that it is still empty: of two tours given the same
-    --out at once, the second stops with one line instead of writing its logs beside
-    the first's. Where the file system has no flock, the folder is not locked."""
-    fd = os.open(out, os.O_RDONLY)  # open until the process ends; the chapters do not inherit it
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise UsageError(f"--out {_rel(out)!r}: another tour is writing there; choose another") from None
-    except OSError:
-        pass  # no flock on this file system
-    if any(out.iterdir()):
-        os.close(fd)
-        raise UsageError(f"--out {_rel(out)!r} is no longer empty (another tour wrote there); "
-                         f"choose another")
 
 
 def crash_plan(steps: int) -> tuple[int, int]:
@@ -500,16 +481,15 @@ def main(argv=None) -> int:
     while True:
         try:  # a default name is created here or not at all: two tours never share one
             args.out_dir.mkdir(parents=True, exist_ok=args.out is not None)
-            hold_tour_folder(args.out_dir)  # an --out named twice: one tour writes there
             break
         except FileExistsError:  # another tour took it since parse_args: the next free one
             if args.out is not None:
                 raise
             args.out_dir = unused_default_out().resolve()
             plan = build_plan(args)
-        except UsageError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+    # locked while the tour runs, as a chapter's run folder: an --out given to two tours
+    # at once is refused to the second (one line, exit 2), not written by both
+    claim_run_folder(args.out_dir, flag="--out")
     print(f"tour of {total} chapter(s) into {_rel(args.out_dir)}: preset {args.sizes.preset}, "
           f"seq {args.sizes.seq_length}, batch {args.sizes.batch_size} per process, "
           f"{args.sizes.steps} steps, {args.sizes.nproc} process(es) for torchrun chapters"

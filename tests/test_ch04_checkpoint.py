@@ -218,7 +218,6 @@ def test_run_settings_name_the_flags_the_data_and_the_format():
             "warmup_steps", "max_steps", "num_epochs"} <= set(s)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
 class WorkerPids(torch.utils.data.Dataset):
     """Each sample is the pid of the worker that read it (and that worker's process group)."""
 
@@ -229,6 +228,7 @@ class WorkerPids(torch.utils.data.Dataset):
         return torch.tensor([os.getpid(), os.getpgid(0)])
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
 def test_a_data_worker_leaves_the_trainers_group_and_dies_with_it():
     """data_workers_apart: the DataLoader's worker is in a process group of its own (a
     signal to the trainer's group misses it), and a trainer that dies without stopping it
@@ -272,6 +272,7 @@ def _a_worker_started_late(trainer_gone):
     os._exit(3)  # it would have lived on
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="subreapers and the parent-death signal are Linux's")
 def test_a_data_worker_whose_trainer_died_before_it_asked_exits_whoever_adopts_it():
     """The trainer may die between starting a worker and the worker's request for the
     parent-death signal; the worker then sees that its trainer is gone and exits. The

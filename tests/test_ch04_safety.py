@@ -21,7 +21,7 @@ import pytest
 from common import runfolder
 from common.runfolder import claim_run_folder
 from conftest import REPO, read_json, read_jsonl, run, run_folder_held, torchrun_cmd
-from warm import children, in_session, running
+from warm import children, in_session
 from ch04_runs import (CRASH, FREQ, NAME, SCRIPT, STEPS, assert_same_as_uninterrupted, copy_run, flags,
                        kill_job, snapshot, start_job, step_dir, train)
 

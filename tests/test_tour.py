@@ -4,9 +4,8 @@ ends with the comparison report."""
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
+import socket
 import sys
 import time
 
@@ -14,7 +13,7 @@ import pytest
 
 from common import tour
 from common.errors import UsageError
-from conftest import run
+from conftest import run, run_folder_held
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -185,28 +184,32 @@ def test_tours_started_in_the_same_second_get_folders_of_their_own(tmp_path, mon
 
 def test_two_tours_given_the_same_out_never_write_there_both(tmp_path, monkeypatch, capsys):
     """An --out named twice at once: each found it empty when it parsed its flags. The
-    tour that comes second finds it locked (the first holds it while it runs), or no
-    longer empty (the first wrote there and ended): one line, exit 2, nothing written."""
+    tour folder is claimed as a chapter's run folder is: the tour that comes second finds
+    it locked (the first holds it while it runs), or no longer empty (the first wrote
+    there and ended): one line, exit 2, nothing written."""
     out = tmp_path / "tour"
     out.mkdir()
     ran = []
     monkeypatch.setattr(tour, "run_step", lambda *a: ran.append(a) or 0)
-    held = os.open(out, os.O_RDONLY)  # the first tour's hold, on a descriptor of its own
-    fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    assert tour.main(["--chapters", "01", "--out", str(out), "--quiet"]) == 2
-    assert "another tour is writing there" in capsys.readouterr().err
-    os.close(held)  # the first tour ended, its log left behind
+    with run_folder_held(out) as holder:  # the first tour, in another process
+        with pytest.raises(SystemExit) as stop:
+            tour.main(["--chapters", "01", "--out", str(out), "--quiet"])
+        assert stop.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert err == (f"error: run folder '{out}' is in use by pid {holder.pid} on {socket.gethostname()}, "
+                       f"since {err.split('since ')[1].split(';')[0]}; wait for it to end or choose another --out")
     real_plan = tour.build_plan
 
-    def plan_while_the_first_writes(args):
+    def plan_while_the_first_writes(args):  # the first tour wrote its log, then ended
         (out / "01-single-gpu.log").write_text("the first tour's")
         return real_plan(args)
 
     monkeypatch.setattr(tour, "build_plan", plan_while_the_first_writes)
-    assert tour.main(["--chapters", "01", "--out", str(out), "--quiet"]) == 2
-    assert "is no longer empty" in capsys.readouterr().err
-    assert not ran and [p.name for p in out.iterdir()] == ["01-single-gpu.log"]
-    assert (out / "01-single-gpu.log").read_text() == "the first tour's"
+    with pytest.raises(SystemExit) as stop:
+        tour.main(["--chapters", "01", "--out", str(out), "--quiet"])
+    assert stop.value.code == 2
+    assert "already exists and is not empty; choose another --out" in capsys.readouterr().err
+    assert not ran and (out / "01-single-gpu.log").read_text() == "the first tour's"
 
 
 def test_failing_chapter_stops_the_tour_and_says_where(tmp_path, monkeypatch, capsys):

@@ -44,44 +44,37 @@ def as_launch(cmd: list[str]) -> tuple[int, int, list[str]] | None:
     return (ranks, restarts, rest) if rest and rest[0].endswith(".py") else None
 
 
+def _stat(pid: int | str) -> list[str] | None:
+    """/proc/PID/stat's fields after the command name (state, ppid, pgrp, session, ...),
+    or None for a process that is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def _processes():
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (fields := _stat(entry)) is not None:
+            yield int(entry), fields
+
+
 def children(pid: int) -> list[int]:
     """The processes whose parent is pid (what `pgrep -P pid` lists)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry))
-    return found
+    return [p for p, fields in _processes() if int(fields[1]) == pid]
 
 
 def in_session(sid: int) -> list[int]:
     """The running processes of session `sid` (a launch started in a session of its own
     and all it started, unless one left it)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[3]) == sid and fields[0] != "Z":
-                found.append(int(entry))
-    return found
+    return [p for p, fields in _processes() if int(fields[3]) == sid and fields[0] != "Z"]
 
 
 def running(pid: int) -> bool:
     """Alive and not a zombie (what /proc says)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    fields = _stat(pid)
+    return fields is not None and fields[0] != "Z"
 
 
 def kill_launch(pid: int) -> None:
