@@ -361,7 +361,7 @@ def test_chapter_05_at_world_size_1_on_nccl(tmp_path, record):
     on the GPU; the scripts that compare ranks refuse one process with one line."""
     proc = run(torchrun_cmd(1, f"{CH05}/sharded_checkpoint.py", *CH05_TINY, "--steps", "2",
                             "--save-dir", tmp_path, "--experiment-name", "dcp1"), timeout=300)
-    assert f"1 ranks, {NCCL};" in proc.stdout
+    assert f"1 rank, {NCCL};" in proc.stdout
     assert (tmp_path / "dcp1" / "latest").read_text() == "step-00000002"
     for script in ("collectives_demo.py", "bench_collectives.py", "ddp_from_scratch.py",
                    "sharded_from_scratch.py"):
