@@ -48,7 +48,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import MetadataIndex
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 
 # Runnable from the repo root or from inside this folder, installed or not.
@@ -61,12 +61,10 @@ from common.durable import (atomic_write, check_files, fsync_dir, fsync_write, i
                             one_line, read_manifest, sha256_of, write_manifest)
 from common.errors import MODEL_OOM_ADVICE, UsageError, fail, run_main  # noqa: E402
 from common.model import LlamaForCausalLM, get_config  # noqa: E402
-from common.proof import exact_kernels  # noqa: E402
+from common.proof import exact_kernels, full_state  # noqa: E402
 from common.runfolder import claim_run_folder  # noqa: E402
 from common.tables import markdown_table  # noqa: E402
 from common.training import build_optimizer  # noqa: E402
-
-FULL_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)  # the proof's view
 
 
 def parse_args(argv=None):
@@ -296,8 +294,8 @@ def save_sharded(model, optimizer, step_dir: Path, run_settings: dict, step: int
 def write_reference(model, optimizer, path: Path, demo):
     """The proof's reference: the same state gathered whole onto rank 0's CPU (a
     collective), written with torch.save beside the checkpoint, before it is committed."""
-    full_model, full_optim = get_state_dict(model, optimizer, options=FULL_ON_RANK0)
-    if demo.rank == 0:  # the other ranks received empty dicts
+    full_model, full_optim = full_state(model, optimizer)
+    if demo.rank == 0:  # the only rank whose copy is whole on every backend
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, lambda f: torch.save({"model": full_model, "optim": full_optim}, f))
 
@@ -394,7 +392,7 @@ def prove_equal(model, optimizer, reference: Path, demo):
     """Gather the loaded state whole onto rank 0 and compare it, tensor by tensor, with
     the full state the saving run wrote. Returns (max difference, tensors compared, a
     list of mismatches), the same on every rank. A collective."""
-    full_model, full_optim = get_state_dict(model, optimizer, options=FULL_ON_RANK0)
+    full_model, full_optim = full_state(model, optimizer)
     result = [None]
     if demo.rank == 0:
         saved = torch.load(reference, map_location="cpu", weights_only=True)

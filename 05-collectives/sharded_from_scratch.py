@@ -303,7 +303,7 @@ class FSDP2(Trainer):
         self.optimizer.zero_grad(set_to_none=True)
 
     def full_parameters(self):
-        return [p.full_tensor().detach() for p in self.model.parameters()]
+        return [proof.full_tensor(p).detach() for p in self.model.parameters()]
 
     def take_state(self, ddp_state):
         # each DTensor keeps its shard of DDP's tensor (the same on every rank: no collective)

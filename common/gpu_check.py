@@ -79,9 +79,12 @@ class Step:
     timeout_s: float = 3600
 
 
-def missing_modules(names=NEEDED) -> list[str]:
-    """The modules of `names` this Python cannot import."""
-    return [n for n in names if importlib.util.find_spec(n) is None]
+def missing_modules(names=NEEDED, site: Path | None = None) -> list[str]:
+    """The modules of `names` this Python cannot import (nor, where given, the folder
+    `site`, into which an earlier run on this machine installed them)."""
+    from importlib.machinery import PathFinder
+    return [n for n in names if importlib.util.find_spec(n) is None
+            and (site is None or PathFinder.find_spec(n, [str(site)]) is None)]
 
 
 def plan(out: Path, missing: list[str], wheels: Path = WHEELS, tests: bool = True,
@@ -269,7 +272,8 @@ def main(argv=None) -> int:
         exclude = [e.strip().lower().replace("_", "-") for e in args.exclude.split(",") if e.strip()]
         return download_wheels(args.wheels, args.python_version, list(NEEDED), exclude)
     out = args.out.resolve()
-    missing = missing_modules()
+    # what this Python lacks comes from SITE; what SITE lacks too is installed there first
+    from_site, missing = missing_modules(), missing_modules(site=SITE)
     steps = plan(out, missing, args.wheels, tests=not args.no_tests, bench=not args.no_bench,
                  select=args.select, rehearsal=args.rehearsal)
     if missing and not args.wheels.is_dir():
@@ -278,7 +282,8 @@ def main(argv=None) -> int:
     if args.dry_run:
         print(f"would write into {out}:")
         if not missing:
-            print(f"   ({', '.join(NEEDED)} already importable: nothing to install)")
+            print(f"   ({', '.join(NEEDED)} already importable{f' (from {SITE})' if from_site else ''}: "
+                  f"nothing to install)")
         for step in steps:
             more = f" <the wheels {INSTALL_PLAN} names>" if step.name == "install" else ""
             print(f"== {step.name}: {shown(step)}{more}  (log: {step.log})")
@@ -289,7 +294,7 @@ def main(argv=None) -> int:
     where = ("a rehearsal on the CPU" if args.rehearsal else
              f"{results['environment']['cuda_devices']}, driver {results['environment']['nvidia_smi'].get('driver')}")
     print(f"{where}, torch {torch.__version__}: results into {out}", flush=True)
-    run_steps(steps, out, SITE if missing else None, results)
+    run_steps(steps, out, SITE if from_site else None, results)
     results["gpu_tests"] = read_json_or_none(out / "gpu_tests.json")
     results["bench_model"] = read_json_or_none(out / "bench_model.json")
     results["targets"] = targets(results)

@@ -6,6 +6,8 @@ rebuilt from collectives, against DDP), and the rounding bound they are held to.
 - `max_difference_to_rank0`: are the ranks' copies identical? (a collective)
 - `adam_step_bound`: how far summation order alone can move AdamW's weights in one step.
 - `exact_kernels`: deterministic kernels and no TF32 while a proof runs.
+- `full_tensor`, `full_state`: fully_shard's DTensors gathered whole, also over gloo
+  with CUDA tensors, where torch's own gather crashes.
 
 Every tensor a collective here sends lives on the device the caller's tensors (or
 `device`) name: nccl takes only GPU tensors, gloo CPU ones.
@@ -110,3 +112,64 @@ def exact_kernels():
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
         set_tf32(before[2])
+
+
+def gathers_through_functional_collectives(t: torch.Tensor) -> bool:
+    """Can `t.full_tensor()` (and `get_state_dict`'s full state, which calls it) gather
+    this DTensor? Not a CUDA one over gloo: the DTensor gathers with torch's functional
+    all-gather, which reaches gloo's coalesced all-gather, and that reads the CUDA address
+    as host memory and kills the process (SIGSEGV; seen with torch 2.11 on an H100 with
+    two ranks sharing it: pytorch/pytorch#152645). `dist.all_gather_into_tensor` stages
+    CUDA tensors through host memory and works."""
+    group = t.device_mesh.get_group()
+    return not (t.device.type == "cuda" and dist.get_backend(group) == "gloo")
+
+
+@torch.no_grad()
+def gather_dim0_shards(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor sharded on dim 0 over a 1-D mesh (fully_shard's parameters and AdamW
+    moments), gathered whole on every rank with one `dist.all_gather_into_tensor`: as
+    torch.chunk splits it (shards of ceil(rows / ranks) rows, the last ones shorter or
+    empty), each shard padded to that size, the padding cut off the result."""
+    group = t.device_mesh.get_group()
+    world, rows, local = dist.get_world_size(group), t.shape[0], t.to_local()
+    chunk = -(-rows // world)
+    padded = local.new_zeros((chunk, *local.shape[1:]))
+    padded[:local.shape[0]] = local
+    out = local.new_empty((chunk * world, *local.shape[1:]))
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, padded, group=group)
+    return out[:rows]
+
+
+def full_tensor(t: torch.Tensor, own_gather: bool | None = None) -> torch.Tensor:
+    """`t.full_tensor()` for a DTensor, `t` itself otherwise; over gloo with CUDA tensors
+    (or with own_gather=True) a DTensor sharded on dim 0 is gathered by
+    `gather_dim0_shards` instead (see gathers_through_functional_collectives). A
+    collective for a DTensor: every rank calls it."""
+    from torch.distributed.tensor import DTensor, Shard
+    if not isinstance(t, DTensor):
+        return t
+    if own_gather is None:
+        own_gather = not gathers_through_functional_collectives(t)
+    if own_gather and t.device_mesh.ndim == 1 and tuple(t.placements) == (Shard(0),):
+        return gather_dim0_shards(t)
+    return t.full_tensor()
+
+
+def full_state(model, optimizer, own_gather: bool | None = None) -> tuple[dict, dict]:
+    """The whole model and optimizer state on rank 0's CPU, keyed by parameter name, as
+    `get_state_dict(..., options=StateDictOptions(full_state_dict=True, cpu_offload=True))`
+    returns it (the other ranks get empty dicts). Over gloo with CUDA tensors (or with
+    own_gather=True) each rank's DTensor shards are gathered by `full_tensor` instead,
+    and every rank gets the whole state. A collective: every rank calls it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    from torch.distributed.tensor import DTensor
+    from torch.utils._pytree import tree_map_only
+    if own_gather is None:
+        own_gather = any(isinstance(p, DTensor) and not gathers_through_functional_collectives(p)
+                         for p in model.parameters())
+    if not own_gather:
+        return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    model_state, optim_state = get_state_dict(model, optimizer)  # this rank's shards
+    return tuple(tree_map_only(torch.Tensor, lambda t: full_tensor(t, own_gather=True).cpu(), state)
+                 for state in (model_state, optim_state))
