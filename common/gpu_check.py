@@ -179,9 +179,11 @@ def nvidia_smi() -> dict:
 
 
 def commit() -> str | None:
-    """The repository's commit, where this is a git checkout with git installed."""
+    """The repository's commit, where this is a git checkout with git installed, with
+    "-dirty" after it where the files differ from it (a copy of a working tree, say)."""
     try:
-        git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
+        git = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=40", "--exclude=*"], cwd=REPO,
+                             capture_output=True, text=True)
     except OSError:
         return None
     return git.stdout.strip() if git.returncode == 0 else None
