@@ -24,6 +24,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .net_errors import check_network
 
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (the old names warn).
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 # Our only buffers are the constant RoPE tables, so DDP need not re-broadcast them before
 # every forward. The flag was renamed (broadcast_buffers -> forward_sync_buffers); the old

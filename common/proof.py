@@ -22,6 +22,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from .distributed import all_gather_single
 from .environment import set_tf32, tf32_enabled
 
 
@@ -137,7 +138,7 @@ def gather_dim0_shards(t: torch.Tensor) -> torch.Tensor:
     padded = local.new_zeros((chunk, *local.shape[1:]))
     padded[:local.shape[0]] = local
     out = local.new_empty((chunk * world, *local.shape[1:]))
-    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, padded, group=group)
+    all_gather_single(out, padded, group=group)
     return out[:rows]
 
 

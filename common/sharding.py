@@ -25,14 +25,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .distributed import all_gather_single, reduce_scatter_single
 from .environment import device_name, environment_info
 from .jsonfiles import write_json
 from .tables import markdown_table
 from .proof import max_over_ranks
-
-# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (the old names warn).
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 # Bytes a bandwidth-optimal (ring) algorithm sends from each rank, per byte of the array
 # (the gathered output, the scattered input, the reduced tensor): nccl-tests' bus factors.

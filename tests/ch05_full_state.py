@@ -49,9 +49,9 @@ if rank == 0:
     for k in sorted(a.keys() & b.keys()):
         x, y = a[k], b[k]
         compared += 1
-        if torch.is_tensor(x) != torch.is_tensor(y) or (
-                torch.is_tensor(x) and (x.dtype, x.shape, x.device) != (y.dtype, y.shape, y.device)
-                or torch.is_tensor(x) and not torch.equal(x, y) or not torch.is_tensor(x) and x != y):
+        tensors = torch.is_tensor(x) and torch.is_tensor(y)
+        if not (tensors and (x.dtype, x.shape, x.device) == (y.dtype, y.shape, y.device) and torch.equal(x, y)
+                or not torch.is_tensor(x) and not torch.is_tensor(y) and x == y):
             problems.append(f"full_state {k}: ours {x!r:.60} vs torch's {y!r:.60}")
 dist.barrier()
 dist.destroy_process_group()

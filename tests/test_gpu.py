@@ -18,9 +18,10 @@ CUDA in bf16 autocast, a matmul's output is rounded to 8 significant bits (2**-8
 kernels, another batch split, another GEMM kernel) round differently, so the tests allow,
 through the warmup, 2e-2 of the loss per logged step (5e-3 at step 1) and 1e-1 of the
 gradient norm, a noisier sum, and after it 2e-2 of the mean logged loss (the runs part
-ways step by step: see LOCKSTEP_STEPS); each run records the difference it measured. Some CUDA kernels may also
-add with atomics in no fixed order (flash and memory-efficient attention's backward
-among them), so two identical runs can differ in the last bits; --deterministic
+ways step by step: see LOCKSTEP_STEPS); each run records the difference it measured.
+Some CUDA kernels may also add with atomics in no fixed order (flash and
+memory-efficient attention's backward among them), so two identical runs can differ in
+the last bits; --deterministic
 (`torch.use_deterministic_algorithms(True)`, with CUBLAS_WORKSPACE_CONFIG) picks kernels
 that do not, and with it a resumed run must equal an uninterrupted one bit for bit, as
 on a CPU. The tests measure both, and what the flag costs.
