@@ -205,10 +205,10 @@ def main():
     if args.compile:  # the module, before DDP wraps it (README: "DDP and --compile")
         model.compile()
     if distributed:
-        # DDP broadcasts rank 0's weights to every rank, then registers hooks that
-        # all-reduce gradients bucket by bucket while backward is still running.
+        # DDP broadcasts rank 0's weights, then all-reduces gradients bucket by bucket
+        # while backward runs; each .grad is a view into its bucket (no copy kept apart).
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                    **DDP_NO_BUFFER_SYNC)
+                    gradient_as_bucket_view=True, **DDP_NO_BUFFER_SYNC)
     optimizer = build_optimizer(raw_model, args.lr, args.weight_decay, device)
     steps_per_epoch = len(loader) // args.grad_accum
     # --max-steps wins, with as many epochs as it takes; 0 = --num-epochs whole epochs
