@@ -88,11 +88,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # normalise in fp32 (as Llama does), then cast back
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # x * rsqrt(mean(x^2) + eps) * weight, normalised in fp32 (as Llama does), then
+        # cast back. F.rms_norm is that arithmetic (bit for bit on a CPU, compiled too),
+        # one fused kernel each way on CUDA instead of six forward and more backward.
+        if x.dtype == torch.float32:  # the residual stream, under autocast too
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
