@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 from common.data import train_tokenizer
 from common.masks import build_attention_mask
-from common.model import (PRESETS, LlamaConfig, LlamaForCausalLM, RotaryEmbedding, shares_kv_heads,
-                          apply_rotary, flops_per_token, get_config, non_matmul_params,
+from common.model import (PRESETS, LlamaConfig, LlamaForCausalLM, RMSNorm, RotaryEmbedding,
+                          shares_kv_heads, apply_rotary, flops_per_token, get_config, non_matmul_params,
                           num_parameters)
 
 VOCAB = 97
@@ -181,6 +181,29 @@ def test_logits_equal_independent_llama_reference():
     assert want.abs().max() > 1.0  # logits are not trivially small
     # (tolerance: the model's cos/sin tables are computed in float32)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_is_the_explicit_formula_bit_for_bit_on_a_cpu(dtype):
+    """RMSNorm calls F.rms_norm (one fused kernel each way on CUDA); on a CPU it must be
+    x * rsqrt(mean(x^2) + eps) in fp32, cast back, times the weight, to the last bit,
+    forward and backward, so that no CPU figure of the guide moves."""
+    torch.manual_seed(0)
+    norm = RMSNorm(48, 1e-5)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(3, 7, 48).to(dtype).requires_grad_()
+    grad = torch.randn(3, 7, 48)
+
+    def explicit(x):
+        h = x.float()
+        return norm.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+
+    got, want = norm(x), explicit(x)
+    assert got.dtype == want.dtype and torch.equal(got, want)
+    for a, b in zip(torch.autograd.grad(got, (x, norm.weight), grad),
+                    torch.autograd.grad(want, (x, norm.weight), grad)):
+        assert torch.equal(a, b)
 
 
 def test_rope_scores_depend_only_on_relative_position():
