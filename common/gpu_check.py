@@ -80,11 +80,15 @@ class Step:
 
 
 def missing_modules(names=NEEDED, site: Path | None = None) -> list[str]:
-    """The modules of `names` this Python cannot import (nor, where given, the folder
-    `site`, into which an earlier run on this machine installed them)."""
-    from importlib.machinery import PathFinder
-    return [n for n in names if importlib.util.find_spec(n) is None
-            and (site is None or PathFinder.find_spec(n, [str(site)]) is None)]
+    """The modules of `names` this Python cannot import (nor, where given, import from
+    the folder `site`, into which an earlier run on this machine installed them: tried
+    in a fresh interpreter, so that an install cut short there counts as missing)."""
+    missing = [n for n in names if importlib.util.find_spec(n) is None]
+    if site is None or not site.is_dir():
+        return missing
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
+    return [n for n in missing if subprocess.run([sys.executable, "-c", f"import {n}"], env=env,
+                                                 capture_output=True).returncode != 0]
 
 
 def plan(out: Path, missing: list[str], wheels: Path = WHEELS, tests: bool = True,

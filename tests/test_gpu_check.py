@@ -29,10 +29,14 @@ def test_dry_run_lists_the_steps_and_creates_nothing(tmp_path, capsys):
 
 def test_only_what_cannot_be_imported_is_installed_offline(tmp_path):
     assert gpu_check.missing_modules(("json", "no_such_module_here")) == ["no_such_module_here"]
-    # a second run on the same machine: what the first installed into its site is not missing
-    (tmp_path / "site" / "no_such_module_here").mkdir(parents=True)
-    (tmp_path / "site" / "no_such_module_here" / "__init__.py").write_text("")
-    assert gpu_check.missing_modules(("json", "no_such_module_here"), site=tmp_path / "site") == []
+    # a second run on the same machine: what the first installed into its site is not
+    # missing, unless it cannot be imported from there (an install cut short)
+    site = tmp_path / "site"
+    for name, code in (("no_such_module_here", ""), ("half_installed_here", "import its_missing_part")):
+        (site / name).mkdir(parents=True)
+        (site / name / "__init__.py").write_text(code)
+    assert gpu_check.missing_modules(("json", "no_such_module_here", "half_installed_here"), site=site) == \
+        ["half_installed_here"]
     steps = gpu_check.plan(tmp_path, ["datasets"], wheels=tmp_path / "w", tests=False, site=tmp_path / "site")
     assert [s.name for s in steps] == ["resolve", "install", "bench_model"]
     assert steps[0].argv[1:] == ["-m", "pip", "install", "--dry-run", "--quiet", "--report",
