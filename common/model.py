@@ -90,7 +90,7 @@ class RMSNorm(nn.Module):
     def forward(self, x):
         # x * rsqrt(mean(x^2) + eps) * weight, normalised in fp32 (as Llama does), then
         # cast back. F.rms_norm is that arithmetic (bit for bit on a CPU, compiled too),
-        # one fused kernel each way on CUDA instead of six forward and more backward.
+        # with torch's fused kernels on CUDA instead of six forward and more backward.
         if x.dtype == torch.float32:  # the residual stream, under autocast too
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)

@@ -185,7 +185,7 @@ def test_logits_equal_independent_llama_reference():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rmsnorm_is_the_explicit_formula_bit_for_bit_on_a_cpu(dtype):
-    """RMSNorm calls F.rms_norm (one fused kernel each way on CUDA); on a CPU it must be
+    """RMSNorm calls F.rms_norm (fused kernels on CUDA); on a CPU it must be
     x * rsqrt(mean(x^2) + eps) in fp32, cast back, times the weight, to the last bit,
     forward and backward, so that no CPU figure of the guide moves."""
     torch.manual_seed(0)
