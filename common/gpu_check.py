@@ -61,10 +61,11 @@ BENCH_ARGS = ["--presets", "small", "base", "medium", "--seq-length", "1024", "-
 # --rehearsal, on a CPU: the benchmark's steps at a size that takes seconds.
 REHEARSAL_BENCH_ARGS = ["--presets", "tiny", "--seq-length", "64", "--batch-size", "2", "--iters", "2",
                         "--warmup", "1", "--no-compile", "--profile", "1"]
-# (what, where in the results, at least): the targets on one H100 in bf16.
+# (what, where in the results, at least): the targets on one H100 in bf16, at the GPU
+# suite's size (tests/test_gpu.py, BASE).
 TARGETS = [
-    ("chapter 01, base, seq 1024, compiled: MFU", ("gpu_tests", "ch01_base_compiled", "mfu"), 0.40),
-    ("chapter 01, base, seq 1024, eager: MFU", ("gpu_tests", "ch01_base_eager", "mfu"), 0.25),
+    ("chapter 01, base, seq 1024, batch 32, compiled: MFU", ("gpu_tests", "ch01_base_compiled", "mfu"), 0.40),
+    ("chapter 01, base, seq 1024, batch 32, eager: MFU", ("gpu_tests", "ch01_base_eager", "mfu"), 0.25),
     ("chapter 03 at world size 1 on nccl: tokens/s vs chapter 01",
      ("gpu_tests", "ch03_base_nccl_1", "tokens_per_s_vs_ch01"), 0.97),
 ]

@@ -72,8 +72,8 @@ def test_a_step_runs_from_the_repo_with_its_log_and_status(tmp_path, capsys):
 def test_targets_are_read_from_the_results():
     results = {"gpu_tests": {"ch01_base_compiled": {"mfu": 0.43}, "ch01_base_eager": {"mfu": 0.21}}}
     got = {t["target"].split(": ")[0]: (t["value"], t["met"]) for t in gpu_check.targets(results)}
-    assert got == {"chapter 01, base, seq 1024, compiled": (0.43, True),
-                   "chapter 01, base, seq 1024, eager": (0.21, False),
+    assert got == {"chapter 01, base, seq 1024, batch 32, compiled": (0.43, True),
+                   "chapter 01, base, seq 1024, batch 32, eager": (0.21, False),
                    "chapter 03 at world size 1 on nccl": (None, None)}  # not measured
 
 

@@ -206,6 +206,24 @@ def test_rmsnorm_is_the_explicit_formula_bit_for_bit_on_a_cpu(dtype):
         assert torch.equal(a, b)
 
 
+def test_under_autocast_rmsnorm_hands_the_matmuls_what_they_would_cast_to_themselves():
+    """Under autocast the fp32 residual stream's norm comes out in the autocast dtype:
+    exactly the fp32 result cast, which each of the next layer's matmuls would otherwise
+    cast separately; outside autocast it stays fp32."""
+    torch.manual_seed(0)
+    norm = RMSNorm(48, 1e-5)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(3, 7, 48)
+    plain = norm(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cast = norm(x)
+        linear = torch.nn.Linear(48, 16, bias=False)
+        same = torch.equal(linear(cast), linear(plain))
+    assert plain.dtype == torch.float32 and cast.dtype == torch.bfloat16
+    assert torch.equal(cast, plain.to(torch.bfloat16)) and same
+
+
 def test_rope_scores_depend_only_on_relative_position():
     D = 16
     rot = RotaryEmbedding(D, max_positions=128, theta=10000.0)
