@@ -94,8 +94,8 @@ def activation_bytes(config, num_params: int, batch: int, seq: int, bf16: bool, 
     output (4 in fp32, 2 under bf16 autocast):
       the residual stream, twice (the layer's input, and after attention), fp32: 8h
       each of the two RMSNorms keeps 1/rms and the normalised x, fp32: 8h + 8
-      the projections' inputs: the two norms' outputs (fp32, 8h); under autocast
-        instead the bf16 copy each of the five projections makes of its input (10h)
+      the projections' inputs: the two norms' outputs, each kept once (fp32, 8h; under
+        autocast the norms hand them over in bf16, 4h)
       attention: rotated q and k, v and SDPA's output (e(2h + 2k)), its logsumexp (4H)
       SwiGLU: gate, silu(gate), up and their product (4ie)
     Then the final norm (12h + 4 in fp32; 10h + 4 under autocast), the log-softmax over
@@ -110,7 +110,7 @@ def activation_bytes(config, num_params: int, batch: int, seq: int, bf16: bool, 
     if checkpointed:
         layer = 4 * h
     else:
-        layer = 8 * h + 8 * h + 8 + (10 * h if bf16 else 8 * h) + e * (2 * h + 2 * k) + 4 * H + 4 * i * e
+        layer = 8 * h + 8 * h + 8 + (4 * h if bf16 else 8 * h) + e * (2 * h + 2 * k) + 4 * H + 4 * i * e
     head = (10 * h if bf16 else 12 * h) + 4 + 4 * V + 8
     weight_copies = 0
     if bf16:

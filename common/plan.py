@@ -196,14 +196,13 @@ def layer_activation_bytes(config: LlamaConfig, tokens: int, seq: int, p: Precis
     fp32 always: the two RMSNorms' fp32 inputs (2h) and 1/rms (2), attention's logsumexp
     (one per head); the norms' normalised x (2h) in the stream dtype; in the compute
     dtype: q (h), k and v (2 kv), attention's output (h), gate, up, silu and their product
-    (4i), and the norms' outputs as the linears take them (2h: once per norm; autocast
-    casts them per linear: 3h + 2h). Autocast also saves a bf16 copy of every weight and
-    of the rotary tables (4 x seq x head_dim)."""
+    (4i), and the norms' outputs as the linears take them (2h: once per norm, which under
+    autocast hands them over in bf16 already). Autocast also saves a bf16 copy of every
+    weight and of the rotary tables (4 x seq x head_dim)."""
     c = config
     h, i, heads = c.hidden_size, c.intermediate_size, c.num_attention_heads
     kv = c.num_key_value_heads * c.head_dim
-    norm_outputs = 5 * h if p.autocast else 2 * h
-    per_token = FP32 * (2 * h + 2 + heads) + p.stream * 2 * h + p.act * (2 * h + 2 * kv + 4 * i + norm_outputs)
+    per_token = FP32 * (2 * h + 2 + heads) + p.stream * 2 * h + p.act * (4 * h + 2 * kv + 4 * i)
     total = tokens * per_token
     if p.autocast:
         total += p.act * (sum(math.prod(s) for s in llama(c).units[1] if len(s) >= 2) + 4 * seq * c.head_dim)
