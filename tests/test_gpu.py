@@ -135,8 +135,8 @@ def rel_diff(a: list[float], b: list[float]) -> float:
 
 def assert_trains_like(run_dir, ref_dir) -> float:
     """Same logged steps. Up to step LOCKSTEP_STEPS each step's loss within BF16_RTOL of
-    the reference's; the mean of all logged losses within BF16_RTOL; step 1's loss, where logged, within FIRST_STEP_RTOL. Returns
-    the largest loss difference of a logged step."""
+    the reference's; the mean of all logged losses within BF16_RTOL; step 1's loss, where
+    logged, within FIRST_STEP_RTOL. Returns the largest loss difference of a logged step."""
     got, ref = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(ref_dir / "metrics.jsonl")
     assert [r["step"] for r in got] == [r["step"] for r in ref] and got
     early = [(g, r) for g, r in zip(got, ref) if g["step"] <= LOCKSTEP_STEPS]
