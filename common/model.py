@@ -247,7 +247,10 @@ class LlamaForCausalLM(nn.Module):
                 x = checkpoint(layer, x, cos, sin, attn_mask, use_reentrant=False)
             else:
                 x = layer(x, cos, sin, attn_mask)
-        return self.lm_head(self.norm(x))
+        # fp32 logits (fp64 stays fp64), whatever autocast does: the loss's log-softmax then
+        # runs in fp32 on every device (CUDA's autocast would run it on the bf16 logits).
+        logits = self.lm_head(self.norm(x))
+        return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
     @torch.no_grad()
     def generate(self, input_ids, max_new_tokens: int, temperature: float = 0.8,

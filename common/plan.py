@@ -190,19 +190,28 @@ def sent_bytes(model: Model, mode: str, world: int, p: Precision) -> dict:
 
 # ------------------------------------------------------------------ the activations
 
+def normalised_bytes_per_token(h: int, p: Precision) -> int:
+    """One RMSNorm's normalised x, where autograd keeps it. On a bf16 stream the norm
+    multiplies its bf16 result by the weight, which keeps that result (h in bf16). On an
+    fp32 stream F.rms_norm takes the weight itself, and on CUDA (torch >= 2.9) its fused
+    kernel keeps only its input and 1/rms: nothing more. (A CPU's F.rms_norm is made of
+    several operations, which keep the fp32 normalised x too, 4h: the test adds it.)"""
+    return p.stream * h if p.stream != FP32 else 0
+
+
 def layer_activation_bytes(config: LlamaConfig, tokens: int, seq: int, p: Precision) -> int:
-    """What autograd saves for backward in one decoder layer of common.model (counted in
-    tests/test_plan.py with saved-tensor hooks), for `tokens` = batch x seq:
+    """What autograd saves for backward in one decoder layer of common.model on a GPU
+    (counted in tests/test_plan.py with saved-tensor hooks), for `tokens` = batch x seq:
     fp32 always: the two RMSNorms' fp32 inputs (2h) and 1/rms (2), attention's logsumexp
-    (one per head); the norms' normalised x (2h) in the stream dtype; in the compute
-    dtype: q (h), k and v (2 kv), attention's output (h), gate, up, silu and their product
+    (one per head); on a bf16 stream the norms' normalised x (2h), which the multiply by
+    the weight keeps (see `normalised_bytes_per_token`); in the compute dtype: q (h), k and v (2 kv), attention's output (h), gate, up, silu and their product
     (4i), and the norms' outputs as the linears take them (2h: once per norm, which under
     autocast hands them over in bf16 already). Autocast also saves a bf16 copy of every
     weight and of the rotary tables (4 x seq x head_dim)."""
     c = config
     h, i, heads = c.hidden_size, c.intermediate_size, c.num_attention_heads
     kv = c.num_key_value_heads * c.head_dim
-    per_token = FP32 * (2 * h + 2 + heads) + p.stream * 2 * h + p.act * (4 * h + 2 * kv + 4 * i)
+    per_token = FP32 * (2 * h + 2 + heads) + 2 * normalised_bytes_per_token(h, p) + p.act * (4 * h + 2 * kv + 4 * i)
     total = tokens * per_token
     if p.autocast:
         total += p.act * (sum(math.prod(s) for s in llama(c).units[1] if len(s) >= 2) + 4 * seq * c.head_dim)
@@ -214,7 +223,7 @@ def head_activation_bytes(config: LlamaConfig, tokens: int, p: Precision) -> int
     (as a layer's), its output as the head takes it, and the fp32 log-softmax the
     cross-entropy saves (vocab per token); autocast adds the head's bf16 weight."""
     h, v = config.hidden_size, config.vocab_size
-    per_token = 2 * TOKEN_ID + FP32 * (h + 1) + p.stream * h + p.act * h + FP32 * v
+    per_token = 2 * TOKEN_ID + FP32 * (h + 1) + normalised_bytes_per_token(h, p) + p.act * h + FP32 * v
     return tokens * per_token + (p.act * v * h if p.autocast else 0)
 
 

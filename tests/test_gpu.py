@@ -52,6 +52,7 @@ pytestmark = [pytest.mark.gpu,
                                         "on a GPU machine)")]
 
 CH01, CH02, CH03 = "01-single-gpu/train_llm.py", "02-data-parallel/train_llm.py", "03-ddp/train_llm.py"
+CH01_MEMORY = "01-single-gpu/memory_anatomy.py"
 CH05 = "05-collectives"
 GLOO = {"LLM_GUIDE_BACKEND": "gloo"}   # two ranks on the one GPU
 # What a run on the GPU uses (the rehearsal's CPU: fp32, gloo even for one rank).
@@ -235,6 +236,30 @@ def test_deterministic_kernels_train_the_same_and_cost_this_much(runs_dir, ch01_
     diff = assert_trains_like(run_dir, ch01_base[1])
     record("ch01_base_deterministic", {**figures, "loss_rel_diff_vs_default": diff})
     assert summary["deterministic"]
+
+
+def test_chapter_01_memory_anatomy_counts_what_cuda_keeps(runs_dir, record):
+    """The README's memory command on the GPU (bf16 autocast, the small preset): the
+    state is 16 bytes per parameter and the activations kept for backward are the count
+    made with CUDA's kernels (F.rms_norm fused: its input and 1/rms only) to 3%, with and
+    without activation checkpointing; the CUDA allocator's peak is recorded beside it."""
+    extra = [] if not REHEARSAL else ["--model-preset", "tiny", "--seq-length", "64", "--batch-size", "4"]
+    run(python_cmd(CH01_MEMORY, "--save-dir", runs_dir, "--experiment-name", "ch01-memory", *extra), timeout=600)
+    out = read_json(runs_dir / "ch01-memory" / "memory_anatomy.json")
+    assert (out["device"], out["dtype"]) == (DEVICE, DTYPE)
+    book, results = out["textbook"], out["results"]
+    figures = {"preset": out["preset"], "batch_size": out["batch_size"], "seq_length": out["seq_length"]}
+    for setting in ("off", "on"):
+        r = results[setting]
+        figures[setting] = {"activations_kept_for_backward": r["activations_kept_for_backward"],
+                            "textbook": book[f"activations_{setting}"],
+                            "peak_bytes": r["peak_bytes"], "cuda_max_allocated": r.get("cuda_max_allocated")}
+    record("ch01_memory_anatomy", figures)
+    for setting in ("off", "on"):
+        r = results[setting]
+        assert sum(r["state"].values()) == pytest.approx(book["state"], rel=0.01)
+        assert r["activations_kept_for_backward"] == pytest.approx(book[f"activations_{setting}"], rel=0.03)
+        assert REHEARSAL or r["cuda_max_allocated"] >= r["peak_bytes"]
 
 
 # ---------------------------------------------------------------- chapters 01-04, tiny

@@ -224,6 +224,21 @@ def test_under_autocast_rmsnorm_hands_the_matmuls_what_they_would_cast_to_themse
     assert torch.equal(cast, plain.to(torch.bfloat16)) and same
 
 
+def test_the_logits_are_fp32_under_autocast_so_the_loss_is_computed_in_fp32():
+    """The head's matmul runs in bf16 under autocast, but the model hands back fp32
+    logits (the bf16 result, cast): a loss on them takes its log-softmax in fp32 on every
+    device, where CUDA's autocast would take it on the bf16 logits."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(get_config("tiny", 64))
+    x = torch.randint(0, 64, (2, 8))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(x)
+        head = model.lm_head(model.norm(model.embed_tokens(x)))  # a bf16 matmul's output
+    assert head.dtype == torch.bfloat16 and logits.dtype == torch.float32
+    assert torch.equal(logits, logits.to(torch.bfloat16).float())  # bf16 values, widened
+    assert model(x).dtype == torch.float32
+
+
 def test_rope_scores_depend_only_on_relative_position():
     D = 16
     rot = RotaryEmbedding(D, max_positions=128, theta=10000.0)

@@ -125,12 +125,16 @@ def test_the_activation_estimate_is_what_autograd_saves(precision):
     batch, seq = 2, 32
     x, y = torch.randint(0, 300, (2, batch, seq))
     p = plan.PRECISIONS[precision]
+    # The estimate is a GPU's. On a CPU, F.rms_norm on an fp32 stream also keeps its fp32
+    # normalised x (on CUDA one fused kernel keeps only its input and 1/rms).
+    cpu_norm = 4 * config.hidden_size * batch * seq if p.stream == 4 else 0
     full = saved_bytes(model, x, y, precision, checkpointing=False)
     # within the 4 bytes of the loss's total weight (a scalar the estimate leaves out)
-    assert 0 <= full - plan.activation_bytes(config, batch, seq, p, checkpointing=False) <= 4
+    norms = 2 * config.num_hidden_layers + 1
+    assert 0 <= full - norms * cpu_norm - plan.activation_bytes(config, batch, seq, p, checkpointing=False) <= 4
     kept = saved_bytes(model, x, y, precision, checkpointing=True)  # each layer's input only
     recomputed = plan.layer_activation_bytes(config, batch * seq, seq, p)  # one layer, in backward
-    assert 0 <= kept - (plan.activation_bytes(config, batch, seq, p, checkpointing=True) - recomputed) <= 4
+    assert 0 <= kept - cpu_norm - (plan.activation_bytes(config, batch, seq, p, checkpointing=True) - recomputed) <= 4
     assert kept < full / 3
 
 
