@@ -113,17 +113,20 @@ def test_a_replica_computes_in_the_chosen_dtype_in_a_fresh_thread():
     """DataParallel runs each replica in a new thread and re-enters autocast there with the
     on/off flag only (parallel_apply), so the thread gets autocast's default dtype. The
     Replica enters autocast itself with the chosen one. On CPU the default is bf16, so the
-    test chooses fp16 and does in a thread exactly what parallel_apply does."""
+    test chooses fp16 and does in a thread exactly what parallel_apply does. (The dtype
+    is the head's matmul's: the model widens the logits it returns to fp32.)"""
     import threading
 
     ch02 = load_script(SCRIPT)
     model = LlamaForCausalLM(get_config("tiny", 300))
     x = torch.randint(0, 300, (1, 8))
-    dtypes = {}
+    dtypes, head = {}, []
+    model.lm_head.register_forward_hook(lambda module, args, out: head.append(out.dtype))
 
     def like_parallel_apply(name, module, *inputs):
         with torch.autocast("cpu", enabled=True):  # no dtype: the thread's default
-            dtypes[name] = module(*inputs).dtype
+            module(*inputs)
+            dtypes[name] = head.pop()
 
     cases = {"bare": (model, x, None), "replica": (ch02.Replica(model, torch.float16, False), x, None, x)}
     for name, (module, *inputs) in cases.items():
