@@ -102,8 +102,8 @@ def activation_bytes(config, num_params: int, batch: int, seq: int, bf16: bool, 
       SwiGLU: gate, silu(gate), up and their product (4ie)
     Then the final norm (12h + 4 in fp32; 10h + 4 under autocast; 4h less fused), the
     log-softmax over the vocabulary that the cross-entropy keeps (4V: the model hands
-    back fp32 logits) and the token ids (8). Autocast's bf16 copies of the matmul weights (2 bytes per weight) stay
-    alive until backward has used them. Activation checkpointing keeps of each layer only
+    back fp32 logits) and the token ids (8). Autocast's bf16 copies of the matmul
+    weights (2 bytes per weight) stay alive until backward has used them. Activation checkpointing keeps of each layer only
     its input (4h): the rest is computed again in backward, one layer at a time, weight
     copies included."""
     h, i, V, L = config.hidden_size, config.intermediate_size, config.vocab_size, config.num_hidden_layers

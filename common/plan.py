@@ -204,9 +204,10 @@ def layer_activation_bytes(config: LlamaConfig, tokens: int, seq: int, p: Precis
     (counted in tests/test_plan.py with saved-tensor hooks), for `tokens` = batch x seq:
     fp32 always: the two RMSNorms' fp32 inputs (2h) and 1/rms (2), attention's logsumexp
     (one per head); on a bf16 stream the norms' normalised x (2h), which the multiply by
-    the weight keeps (see `normalised_bytes_per_token`); in the compute dtype: q (h), k and v (2 kv), attention's output (h), gate, up, silu and their product
-    (4i), and the norms' outputs as the linears take them (2h: once per norm, which under
-    autocast hands them over in bf16 already). Autocast also saves a bf16 copy of every
+    the weight keeps (see `normalised_bytes_per_token`); in the compute dtype: q (h), k
+    and v (2 kv), attention's output (h), gate, up, silu and their product (4i), and the
+    norms' outputs as the linears take them (2h: once per norm, which under autocast
+    hands them over in bf16 already). Autocast also saves a bf16 copy of every
     weight and of the rotary tables (4 x seq x head_dim)."""
     c = config
     h, i, heads = c.hidden_size, c.intermediate_size, c.num_attention_heads

@@ -127,7 +127,7 @@ def test_the_activation_estimate_is_what_autograd_saves(precision):
     p = plan.PRECISIONS[precision]
     # The estimate is a GPU's. On a CPU, F.rms_norm on an fp32 stream also keeps its fp32
     # normalised x (on CUDA one fused kernel keeps only its input and 1/rms).
-    cpu_norm = 4 * config.hidden_size * batch * seq if p.stream == 4 else 0
+    cpu_norm = plan.FP32 * config.hidden_size * batch * seq if p.stream == plan.FP32 else 0
     full = saved_bytes(model, x, y, precision, checkpointing=False)
     # within the 4 bytes of the loss's total weight (a scalar the estimate leaves out)
     norms = 2 * config.num_hidden_layers + 1
