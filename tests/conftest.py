@@ -58,13 +58,18 @@ def made_once(tmp_path_factory, name: str, make):
 @pytest.fixture(scope="session", autouse=True)
 def guide_cache(tmp_path_factory):
     """Every test and every subprocess shares one cache, filled once here, so runs
-    that start together never race to train the same tokenizer."""
+    that start together never race to train the same tokenizer. A test session that a
+    test started (the GPU suite's rehearsal) takes over its parent session's cache."""
     from common.data import build_datasets
 
     def fill(cache):
         build_datasets("stdlib", seq_len=64, cache_dir=cache)
         return str(cache)
-    cache = Path(made_once(tmp_path_factory, "llm-guide-cache", fill))
+    parents = os.environ.get("LLM_GUIDE_CACHE", "")
+    if Path(parents).name == "llm-guide-cache" and Path(f"{parents}.json").is_file():
+        cache = Path(parents)  # made_once's folder beside its record: an enclosing session filled it
+    else:
+        cache = Path(made_once(tmp_path_factory, "llm-guide-cache", fill))
     os.environ["LLM_GUIDE_CACHE"] = str(cache)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     share_the_cores_among_workers()
