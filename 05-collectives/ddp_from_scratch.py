@@ -410,8 +410,9 @@ def main():
 
     # ---- 3. report -----------------------------------------------------------------
     if rank == 0:
-        print(f"\n{results_table(results, proof)}\n\nmedians of the steps after the first "
-              f"{min(args.timing_warmup, args.steps - 1)}", flush=True)
+        skipped = min(args.timing_warmup, args.steps - 1)
+        print(f"\n{results_table(results, proof)}\n\nmedians of "
+              + (f"the steps after the first {skipped}" if skipped else "all the steps"), flush=True)
         write_json(run_dir / "ddp_from_scratch.json", {
             **vars(args), "world_size": world, "backend": group.backend,
             "device_name": device_name(group.device), "num_params": n_params,

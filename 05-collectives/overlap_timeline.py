@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import profile, record_function
 from tqdm import tqdm
 
 # Runnable from the repo root or from inside this folder, installed or not; the modes
@@ -41,6 +41,7 @@ from common.errors import MODEL_OOM_ADVICE, run_main  # noqa: E402
 from common.jsonfiles import write_json  # noqa: E402
 from common.model import get_config  # noqa: E402
 from common.runfolder import claim_run_folder  # noqa: E402
+from common.step_profile import profiler_activities  # noqa: E402
 from common import timeline  # noqa: E402
 from ddp_from_scratch import Replica  # noqa: E402
 from sharded_from_scratch import TRAINERS  # noqa: E402
@@ -74,13 +75,11 @@ def trace_one_step(trainer, batches, demo) -> dict:
     """The untraced warm-up steps, then one step under the profiler; this rank's trace."""
     for x, y in batches[:-1]:
         trainer.step(x, y)
-    cuda = demo.device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=profiler_activities(demo.device)) as prof:
         dist.barrier()  # every rank starts the step together, so the lanes line up
         with record_function(timeline.STEP):
             trainer.step(*batches[-1])
-            if cuda:
+            if demo.device.type == "cuda":
                 torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as tmp:  # the profiler writes its JSON to a file
         path = Path(tmp) / "trace.json"

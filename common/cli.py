@@ -255,7 +255,7 @@ def check_data(dataset_name: str, tokenizer: str | None = None) -> None:
 def check_launch_one(args) -> None:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UsageError(f"{args.chapter} trains in one process; launch it with "
-                         f"--nproc-per-node=1 (several processes are chapter 03)")
+                         f"`python {args.chapter}/train_llm.py` (several processes are chapter 03)")
 
 
 def check_launch_many(args) -> None:

@@ -219,8 +219,8 @@ def main(argv=None):
         grew = {k: workers[k] - base_workers[k] for k in workers}
         worst = max(worst, growth, grew["workers_peak_anon_mb"])
         rows.append([f"{res[0]['tokens']:,}", f"{res[0]['files_mb']:,.0f}",
-                     *(f"{r['peak_rss_mb']:,.0f}" for r in res), f"{growth:+,.0f}",
-                     *(f"{workers[k]:,.0f}" for k in workers), *(f"{grew[k]:+,.0f}" for k in workers)])
+                     *(f"{r['peak_rss_mb']:,.0f}" for r in res), f"{round(growth):+,}",
+                     *(f"{workers[k]:,.0f}" for k in workers), *(f"{round(grew[k]):+,}" for k in workers)])
     header = ["tokens", "token files MB", *(f"rank {r} MB" for r in range(args.nproc_per_node)),
               "ranks' growth MB", "workers' peak MB", "workers' own MB", "workers' growth MB",
               "workers' own growth MB"]
@@ -228,7 +228,7 @@ def main(argv=None):
     print("(a worker's peak counts the token files' pages it has read, shared page cache; its own "
           "memory (RssAnon) does not)")
     print(f"largest growth of a rank's peak RSS or a DataLoader worker's own memory over the "
-          f"{results[0][0]['tokens']:,}-token run: {worst:+.0f} MB (limit {args.limit_mb:.0f} MB)")
+          f"{results[0][0]['tokens']:,}-token run: {round(worst):+} MB (limit {args.limit_mb:.0f} MB)")
     return 0 if worst <= args.limit_mb else 1
 
 

@@ -182,7 +182,10 @@ def machine_load() -> tuple[float | None, int]:
 
 
 def busy(load: float | None, cores: int) -> bool:
-    return load is not None and load > cores
+    """Other programs took CPU time: the load average went above the cores by more than
+    half a core. A run that keeps every core busy itself sits at about `cores`, and its
+    own short spikes (a progress bar, a data worker) must not flag it."""
+    return load is not None and load > cores + 0.5
 
 
 def measured_peak(device: torch.device | str, precision: str, *, remeasure: bool = False,

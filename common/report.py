@@ -6,7 +6,7 @@ Markdown comparison table and writes, into `--out`:
   report.md          the same table, with warnings and notes
   tokens_per_s.png   tokens/s per run (horizontal bars coloured by device; a --padded
                      run's real tokens/s inside its bar; `! busy` on runs whose machine
-                     was loaded above its cores, as the table's `!`)
+                     was loaded over its cores, as the table's `!`)
   step_time.png      mean step time split into data / forward / backward / update
   loss.png           the loss curve of every run (from its metrics.jsonl), at most
                      8 curves per panel so each keeps its own colour
@@ -40,6 +40,7 @@ from pathlib import Path
 from .cli import DEFAULT_SAVE_DIR, Parser, check_writable_folder
 from .errors import UsageError
 from .jsonfiles import read_metrics
+from .peak_flops import busy as machine_busy
 from .tables import format_flops, markdown_table
 from .timing import PHASES
 
@@ -161,15 +162,15 @@ def _threads(s: dict) -> str:
 
 
 def busy(s: dict) -> bool:
-    """The machine's load went above its cores during the run: other work took CPU time
-    from it, so its speed is not comparable."""
+    """The machine was busy during the run (common.peak_flops.busy): other work took CPU
+    time from it, so its speed is not comparable."""
     load, cores = s.get("load_avg_max"), s.get("cpu_cores")
-    return isinstance(load, (int, float)) and isinstance(cores, int) and load > cores
+    return isinstance(load, (int, float)) and isinstance(cores, int) and machine_busy(load, cores)
 
 
 def _load(s: dict) -> str:
     """'5.3/2 !': the highest load average during the run over the machine's cores;
-    '!' when the load went above the cores (the run shared its CPU)."""
+    '!' when it went over the cores by more than half a core (the run shared its CPU)."""
     load, cores = s.get("load_avg_max"), s.get("cpu_cores")
     if load is None:
         return "-"

@@ -13,6 +13,7 @@ whether those kernels are slow or just a small part of the step.
 
 from __future__ import annotations
 
+import os
 import re
 
 import torch
@@ -82,6 +83,18 @@ def work_by_name(events, cuda: bool) -> dict[str, list]:
     return work
 
 
+def profiler_activities(device: torch.device) -> list:
+    """What torch.profiler records on `device`: the host's operators, and on a GPU its
+    kernels too. On a CPU the profiler's tracing library (Kineto) would print a `USDT:
+    ... profiler_start` and a `profiler_stop` line per recording, trace markers that read
+    like errors: its log is silenced there (a KINETO_LOG_LEVEL of your own is kept). On a
+    GPU it stays, since there it says when the GPU's activity cannot be recorded."""
+    if device.type == "cuda":
+        return [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # read when a recording starts
+    return [ProfilerActivity.CPU]
+
+
 def profile_step(step, device: torch.device, steps: int, step_s: float, matmul_flops: float,
                  attention_flops: float, top: int = 8) -> dict:
     """Profile `steps` calls of `step` (already warmed up) and say per step where the
@@ -89,7 +102,7 @@ def profile_step(step, device: torch.device, steps: int, step_s: float, matmul_f
     calls run slower: every operator is recorded); `matmul_flops` and `attention_flops`
     are the model FLOPs of one step in each (common.model.flops_per_token's two terms)."""
     cuda = device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    activities = profiler_activities(device)
     if cuda:
         torch.cuda.synchronize(device)
     # one profiling cycle: acc_events only spares the warning that later cycles would drop it

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import report, sharding, timeline
-from .cli import DEFAULT_SAVE_DIR, REPO_ROOT, Parser, check_writable_folder, unused_name
+from .cli import DEFAULT_SAVE_DIR, REPO_ROOT, Parser, check_writable_folder, one_of, unused_name
 from .errors import UsageError
 from .jsonfiles import read_json_or_none
 from .model import PRESETS
@@ -85,13 +85,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="python -m common.tour", description=__doc__.split("\n\n")[0])
     p.add_argument("--chapters", default=",".join(c[:2] for c in CHAPTERS),
                    help="comma-separated chapters to run, e.g. 01,03 (default: all)")
-    p.add_argument("--preset", default=None, help=f"model preset ({', '.join(PRESETS)}); "
-                   "default: small on CPU, base on GPU")
-    p.add_argument("--steps", type=int, default=None,
+    # the chapters' names for the same settings; the short ones stay as aliases
+    p.add_argument("--model-preset", "--preset", dest="preset", default=None, type=one_of(*PRESETS),
+                   help=f"model preset ({', '.join(PRESETS)}); default: small on CPU, base on GPU")
+    p.add_argument("--max-steps", "--steps", dest="steps", type=int, default=None,
                    help="optimizer steps per chapter (default: 30 on CPU, 100 on GPU)")
     p.add_argument("--seq-length", type=int, default=None, help="default: 128 on CPU, 1024 on GPU")
     p.add_argument("--batch-size", type=int, default=None, help="per process; default 8")
-    p.add_argument("--nproc", type=int, default=None,
+    p.add_argument("--nproc-per-node", "--nproc", dest="nproc", type=int, default=None,
                    help="processes for 03/04/05 (default: the number of GPUs, else 2)")
     p.add_argument("--out", default=None, help="tour folder (default: outputs/tour-<timestamp>)")
     p.add_argument("--quiet", action="store_true", help="one line per chapter instead of its output")
@@ -114,24 +115,24 @@ def parse_args(argv=None, gpus: int | None = None) -> argparse.Namespace:
         if getattr(args, name) is not None:
             setattr(sizes, name, getattr(args, name))
     args.sizes = sizes
-    if sizes.preset not in PRESETS:
-        raise UsageError(f"--preset {sizes.preset!r} is unknown; choose one of {', '.join(PRESETS)}")
-    for name in ("steps", "seq_length", "batch_size", "nproc"):
+    flags = {"steps": "--max-steps", "seq_length": "--seq-length", "batch_size": "--batch-size",
+             "nproc": "--nproc-per-node"}
+    for name, flag in flags.items():
         if getattr(sizes, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(sizes, name)})")
+            raise UsageError(f"{flag} must be at least 1 (got {getattr(sizes, name)})")
     max_pos = PRESETS[sizes.preset]["max_position_embeddings"]
     if sizes.seq_length > max_pos:
         raise UsageError(f"--seq-length {sizes.seq_length} exceeds the {sizes.preset!r} preset's "
                          f"max_position_embeddings={max_pos}")
     if gpus and sizes.nproc > gpus:
-        raise UsageError(f"--nproc {sizes.nproc}: only {gpus} GPU(s) here, and NCCL needs one "
+        raise UsageError(f"--nproc-per-node {sizes.nproc}: only {gpus} GPU(s) here, and NCCL needs one "
                          f"GPU per process")
     cores = os.cpu_count() or 1
     if not gpus and sizes.nproc > max(4, cores):
-        raise UsageError(f"--nproc {sizes.nproc}: this machine has {cores} CPU cores; more than "
+        raise UsageError(f"--nproc-per-node {sizes.nproc}: this machine has {cores} CPU cores; more than "
                          f"{max(4, cores)} processes would only share them")
     if "04-checkpointing" in args.chapter_list and sizes.steps < 3:
-        raise UsageError(f"--steps {sizes.steps}: chapter 04 needs at least 3 (a checkpoint, "
+        raise UsageError(f"--max-steps {sizes.steps}: chapter 04 needs at least 3 (a checkpoint, "
                          f"then a crash, then the resumed run)")
     # '~/tour' quoted means the home folder, as the shell would (not a folder named '~')
     out = Path(args.out).expanduser() if args.out else unused_default_out()
@@ -452,7 +453,7 @@ def print_summary(args, steps_run: list[Step], started: float):
     for title, path, table in tables:
         print(f"\n{title} ({_rel(path)}):\n\n{table}")
     print(f"\nthe full comparison (every column), chapter 05's tables and the list of all "
-          f"{len(produced)} files: {_rel(md)}")
+          f"{len(produced)} files: {_rel(md)}; beside it:")
     for f in files[1:]:
         print(f"  {_rel(f)}")
     for st in steps_run:

@@ -26,6 +26,7 @@ from .data import show_progress
 from .durable import dir_size_mb, one_line
 from .errors import fail
 from .jsonfiles import MetricsWriter, read_metrics, write_json, write_jsonl
+from .peak_flops import busy
 from .summary import build_summary, comparison_warnings, find_baseline, throughput_table
 from .timing import PhaseTimer, StepStats
 
@@ -220,7 +221,7 @@ class Tracker:
                 summary["scaling_efficiency"] = summary["tokens_per_s_per_device"] / baseline["tokens_per_s"]
                 summary["baseline"] = f"{baseline['chapter']} run {baseline['experiment_name']!r}"
                 summary.setdefault("notes", []).extend(comparison_warnings(summary, baseline))
-        if summary["load_avg_max"] and summary["load_avg_max"] > summary["cpu_cores"]:
+        if busy(summary["load_avg_max"], summary["cpu_cores"]):
             summary.setdefault("notes", []).append(
                 f"the machine was busy (load average up to {summary['load_avg_max']:.1f} on "
                 f"{summary['cpu_cores']} cores): other programs took CPU time from this run")

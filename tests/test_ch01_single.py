@@ -205,7 +205,7 @@ def test_two_processes_are_refused(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "2")
     save_dir = tmp_path / "out"
     line = refused(capsys, load_script(SCRIPT).parse_args, train_args(save_dir, "two", 3))
-    assert "error: 01-single-gpu trains in one process" in line
+    assert "error: 01-single-gpu trains in one process; launch it with `python 01-single-gpu/train_llm.py`" in line
     assert not save_dir.exists()
 
 

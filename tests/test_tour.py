@@ -92,12 +92,13 @@ def test_chapter_selection(tmp_path):
 @pytest.mark.parametrize("flags, message", [
     (["--chapters", "01,06"], "unknown chapter"),
     (["--chapters", ","], "at least one chapter"),
-    (["--steps", "0"], "--steps must be at least 1"),
-    (["--chapters", "04", "--steps", "2"], "chapter 04 needs at least 3"),
-    (["--preset", "huge"], "--preset 'huge' is unknown"),
+    (["--max-steps", "0"], "--max-steps must be at least 1"),   # the chapters' flag names,
+    (["--chapters", "04", "--steps", "2"], "chapter 04 needs at least 3"),  # and short aliases
+    (["--model-preset", "huge"], "argument --model-preset/--preset: unknown 'huge'; choose one of: tiny"),
     (["--preset", "tiny", "--seq-length", "4096"], "exceeds"),
     (["--bogus"], "unrecognized arguments"),
-    (["--nproc", "1000"], "--nproc 1000: "),   # more processes than cores (or GPUs) make sense
+    (["--nproc-per-node", "1000"], "--nproc-per-node 1000: "),  # more processes than cores (or GPUs)
+    (["--nproc", "0"], "--nproc-per-node must be at least 1"),
 ])
 def test_bad_flags_exit_2_with_one_line_before_any_work(tmp_path, capsys, flags, message):
     out = tmp_path / "never"
