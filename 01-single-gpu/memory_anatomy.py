@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common.cli import DEFAULT_SAVE_DIR, DTYPES, Parser, check_device, check_run_folder, one_of, \
     positive_int, seed_value  # noqa: E402
+from common.data import show_progress  # noqa: E402
 from common.errors import UsageError, run_main  # noqa: E402
 from common.jsonfiles import write_json  # noqa: E402
 from common.model import PRESETS, LlamaForCausalLM, flops_per_token, get_config, non_matmul_params, \
@@ -220,7 +221,8 @@ def measure(model, optimizer, x, y, autocast, device, steps: int) -> dict:
     for s, on in settings.items():  # a first step each: AdamW makes its state, kernels warm up
         model.activation_checkpointing = on
         train_step(model, optimizer, x, y, autocast)
-    for _ in tqdm(range(steps), desc="timed steps (off, on)", file=sys.stderr, leave=False):
+    for _ in tqdm(range(steps), desc="timed steps (off, on)", file=sys.stderr, leave=False,
+                  disable=not show_progress()):
         for s, on in settings.items():
             model.activation_checkpointing = on
             t0 = clock(device)

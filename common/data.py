@@ -30,7 +30,7 @@ import socket
 import sys
 import sysconfig
 import tempfile
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
@@ -366,9 +366,10 @@ def tokenize_corpus(corpus: Corpus, tok, scratch: Path | None = None, num_proc: 
     if procs:  # one process a core: tokenizers' threads would only compete (and warn at fork)
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:
-        return ds.map(encode, batched=True, batch_size=256, remove_columns=ds.column_names,
-                      num_proc=procs, desc=f"tokenizing {corpus.name}",
-                      cache_file_name=str(Path(scratch) / "ids.arrow") if on_disk else None)
+        with nullcontext() if show_progress() else quiet_datasets():  # a bar only where watched
+            return ds.map(encode, batched=True, batch_size=256, remove_columns=ds.column_names,
+                          num_proc=procs, desc=f"tokenizing {corpus.name}",
+                          cache_file_name=str(Path(scratch) / "ids.arrow") if on_disk else None)
     finally:
         if procs and parallelism is None:
             os.environ.pop("TOKENIZERS_PARALLELISM")
@@ -376,7 +377,10 @@ def tokenize_corpus(corpus: Corpus, tok, scratch: Path | None = None, num_proc: 
             os.environ["TOKENIZERS_PARALLELISM"] = parallelism
 
 
-def split_mask(n: int, val_fraction: float = 0.05, split_seed: int = 0) -> np.ndarray:
+VAL_FRACTION = 0.05  # the share of documents set aside for validation
+
+
+def split_mask(n: int, val_fraction: float = VAL_FRACTION, split_seed: int = 0) -> np.ndarray:
     """Which documents are validation documents: a fixed share chosen by split_seed (not
     the training seed), so every run and every chapter validates on the same ones. The
     documents keep their corpus order inside each split."""
@@ -483,14 +487,14 @@ def _tokenizer_hash(tok) -> str:
 
 
 def token_cache_path(corpus: Corpus, tok, cache_dir: Path | None = None,
-                     val_fraction: float = 0.05, split_seed: int = 0) -> Path:
+                     val_fraction: float = VAL_FRACTION, split_seed: int = 0) -> Path:
     """The cache folder of this corpus's splits under this tokenizer."""
     key = hashlib.sha256(f"{corpus.identity}|{_tokenizer_hash(tok)}|{val_fraction}|{split_seed}|"
                          f"{TOKEN_FORMAT}".encode()).hexdigest()[:16]
     return Path(cache_dir or default_cache_dir()) / f"tokens-{key}"
 
 
-def token_files(corpus: Corpus, tok, cache_dir: Path | None = None, val_fraction: float = 0.05,
+def token_files(corpus: Corpus, tok, cache_dir: Path | None = None, val_fraction: float = VAL_FRACTION,
                 split_seed: int = 0) -> tuple[Documents, Documents]:
     """The train and validation splits as memory-mapped token files, written once per
     machine into the cache folder `tokens-<key>/` (train.bin, train.idx, val.bin,
@@ -502,7 +506,7 @@ def token_files(corpus: Corpus, tok, cache_dir: Path | None = None, val_fraction
     return _open_token_files(path)
 
 
-def write_token_files(path: Path, tokenize, tok, meta: dict, val_fraction: float = 0.05,
+def write_token_files(path: Path, tokenize, tok, meta: dict, val_fraction: float = VAL_FRACTION,
                       split_seed: int = 0) -> None:
     """Build the cache folder `path` from `tokenize(scratch)` (a datasets.Dataset of `ids`;
     `scratch` is a folder for its files, removed afterwards).
@@ -660,7 +664,7 @@ class Data:
 def build_datasets(dataset_name: str = "stdlib", seq_len: int = 256, packed: bool = True,
                    vocab_size: int = DEFAULT_VOCAB_SIZE, tokenizer_path: str | None = None,
                    subset: str | None = None, text_column: str = "text",
-                   cache_dir: Path | None = None, val_fraction: float = 0.05) -> Data:
+                   cache_dir: Path | None = None, val_fraction: float = VAL_FRACTION) -> Data:
     """Corpus -> tokenizer -> token files (cached, memory-mapped) -> train/val datasets
     of one form."""
     if seq_len < 1:
@@ -690,10 +694,18 @@ def check_enough_samples(dataset, global_batch: int) -> None:
 
 
 def dataset_info(data: Data) -> dict:
-    return {"dataset": data.corpus_name, "documents": data.num_documents,
+    """What the run logs about its data. A corpus of few documents gets a note when its
+    validation split, whole documents, came out far larger than VAL_FRACTION of it."""
+    info = {"dataset": data.corpus_name, "documents": data.num_documents,
             "train_samples": len(data.train), "val_samples": len(data.val),
             "form": "packed" if data.packed else "padded", "vocab_size": data.vocab_size,
             "tokenizer": data.tokenizer_path, "fingerprint": data.fingerprint}
+    share = len(data.val) / max(1, len(data.train) + len(data.val))
+    if share > 3 * VAL_FRACTION:
+        info["note"] = (f"validation holds {share:.0%} of the samples: the split sets whole documents "
+                        f"aside ({VAL_FRACTION:.0%} of them, at least one), and this corpus has "
+                        f"{data.num_documents}; training sees the rest")
+    return info
 
 
 __all__ = ["DataError", "Corpus", "Data", "Documents", "PackedDataset", "PaddedDataset",

@@ -561,8 +561,11 @@ def test_a_large_local_corpus_is_tokenized_by_processes_with_a_progress_bar(corp
 
     monkeypatch.setattr(datasets.Dataset, "map", spy)
     (tmp_path / "one").mkdir(), (tmp_path / "two").mkdir()
+    monkeypatch.delenv("LLM_GUIDE_PROGRESS", raising=False)
     one = data.tokenize_corpus(corpus, tok, tmp_path / "one", num_proc=2)  # a few bytes: one process
+    assert "tokenizing" not in capfd.readouterr().err               # nobody watches: no bar
     monkeypatch.setattr(data, "TEXT_PER_PROCESS", 1)                        # as if it were large
+    monkeypatch.setenv("LLM_GUIDE_PROGRESS", "1")                           # as the tour asks
     two = data.tokenize_corpus(corpus, tok, tmp_path / "two", num_proc=2)
     assert calls == [None, 2]
     assert two["ids"] == one["ids"]                                 # the same ids, in order
@@ -589,3 +592,17 @@ def test_data_memory_refuses_bad_input_before_any_run(tmp_path, capsys, argv, sa
     err = capsys.readouterr().err
     assert said in err and len(err.strip().splitlines()) == 1
     assert not any(tmp_path.iterdir())
+
+
+def test_a_validation_split_of_few_documents_gets_a_note(tmp_path):
+    """Whole documents go to validation: with few, one of them holds far more than 5% of
+    the samples (here one of 5 alike, 20%), and the logged data line says so. The
+    embedded corpus gets no note."""
+    words = " ".join(f"w{i % 97}" for i in range(2000))
+    root = write_files(tmp_path / "few", {f"d{i}.txt": words for i in range(5)})
+    info = data.dataset_info(data.build_datasets(str(root) + "/", seq_len=16, vocab_size=300,
+                                                 cache_dir=tmp_path / "cache"))
+    assert info["documents"] == 5 and info["val_samples"] > 0.15 * (info["train_samples"] + info["val_samples"])
+    assert info["note"].startswith("validation holds ") and "this corpus has 5" in info["note"]
+    stdlib = data.dataset_info(data.build_datasets("stdlib", seq_len=64))
+    assert "note" not in stdlib and stdlib["val_samples"] < 0.1 * stdlib["train_samples"]
