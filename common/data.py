@@ -66,6 +66,12 @@ def quiet_datasets():
         datasets.enable_progress_bars()
 
 
+def datasets_progress():
+    """`datasets`' own progress bars where someone watches (`show_progress`), none in a
+    log file."""
+    return nullcontext() if show_progress() else quiet_datasets()
+
+
 def default_cache_dir() -> Path:
     """Where tokenizers and tokenized corpora are cached (LLM_GUIDE_CACHE overrides)."""
     env = os.environ.get("LLM_GUIDE_CACHE")
@@ -161,11 +167,12 @@ def _read_local(name: str, files: list[str], text_column: str):
     import datasets
 
     try:
-        if not files[0].endswith(".jsonl"):
-            # one document per file, like the stdlib corpus
-            return datasets.load_dataset("text", data_files=files, split="train",
-                                         sample_by="document")
-        ds = datasets.load_dataset("json", data_files=files, split="train")
+        with datasets_progress():  # its "Downloading data" bar copies local files, no network
+            if not files[0].endswith(".jsonl"):
+                # one document per file, like the stdlib corpus
+                return datasets.load_dataset("text", data_files=files, split="train",
+                                             sample_by="document")
+            ds = datasets.load_dataset("json", data_files=files, split="train")
     except Exception as e:  # datasets' builders: not text, not JSON lines, ...
         cause = e.__cause__ or e
         first = str(cause).strip().splitlines()[0][:160] if str(cause).strip() else ""
@@ -366,7 +373,7 @@ def tokenize_corpus(corpus: Corpus, tok, scratch: Path | None = None, num_proc: 
     if procs:  # one process a core: tokenizers' threads would only compete (and warn at fork)
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:
-        with nullcontext() if show_progress() else quiet_datasets():  # a bar only where watched
+        with datasets_progress():
             return ds.map(encode, batched=True, batch_size=256, remove_columns=ds.column_names,
                           num_proc=procs, desc=f"tokenizing {corpus.name}",
                           cache_file_name=str(Path(scratch) / "ids.arrow") if on_disk else None)
