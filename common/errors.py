@@ -25,6 +25,23 @@ class UsageError(Exception):
     """Bad flags or an impossible configuration."""
 
 
+def end_progress_bars() -> bool:
+    """A progress bar redraws its line in place and leaves the cursor at its end: close
+    every bar this process shows (tqdm's, such as the tracker's) so that what is printed
+    next starts a line of its own, under the bar's last state. Whether there was one."""
+    from tqdm import tqdm
+    shown = [bar for bar in list(getattr(tqdm, "_instances", ())) if not bar.disable]
+    for bar in shown:
+        bar.close()
+    return bool(shown)
+
+
+def say_error(line: str) -> None:
+    """One line on stderr, on a line of its own even under a progress bar."""
+    end_progress_bars()
+    print(line, file=sys.stderr, flush=True)
+
+
 def fail(message: str, status: int = 2):
     """One line on stderr, then exit with `status` (2: bad input). Under torchrun every
     rank usually sees the same bad input: rank 0 says it at once. The other ranks wait a
@@ -34,7 +51,7 @@ def fail(message: str, status: int = 2):
     rank = int(os.environ.get("RANK") or 0)
     if rank != 0:
         time.sleep(3.0)
-    print(f"error: {'' if rank == 0 else f'[rank {rank}] '}{message}", file=sys.stderr, flush=True)
+    say_error(f"error: {'' if rank == 0 else f'[rank {rank}] '}{message}")
     sys.exit(status)
 
 
@@ -42,7 +59,7 @@ def fail_on_each_machine(message: str):
     """One line per machine (local rank 0 speaks), exit status 2: a setup error that every
     process of a machine finds alike, before any rank can hear another."""
     if int(os.environ.get("LOCAL_RANK") or 0) == 0:
-        print(f"error: {message}", file=sys.stderr, flush=True)
+        say_error(f"error: {message}")
     sys.exit(2)
 
 
@@ -87,8 +104,8 @@ def stop_launcher(pid: int, grace: float = 1.0) -> None:
             os.kill(pid, 0)
         except ProcessLookupError:
             return
-    print(f"error: rank {os.environ.get('RANK', '0')}: stopping this machine's torchrun (pid {pid}), "
-          f"which waits on the unreachable rendezvous", file=sys.stderr, flush=True)
+    say_error(f"error: rank {os.environ.get('RANK', '0')}: stopping this machine's torchrun (pid {pid}), "
+              f"which waits on the unreachable rendezvous")
     os.kill(pid, signal.SIGKILL)
 
 
@@ -117,7 +134,7 @@ def explain_peer_failures():
         stuck = launcher_stuck()
         hint = ("; check that every machine is up and the network between them works, then rerun "
                 "(chapter 04 resumes from its last checkpoint)")
-        print(f"error: rank {rank}: {what} ({first}){hint}", file=sys.stderr, flush=True)
+        say_error(f"error: rank {rank}: {what} ({first}){hint}")
         sys.stdout.flush()
         if stuck:
             stop_launcher(os.getppid())
@@ -153,6 +170,7 @@ def run_main(main, oom_advice: str = TRAINING_OOM_ADVICE):
         fail(f"out of memory ({first[:200]}): {oom_advice}", status=1)
     except KeyboardInterrupt:
         if int(os.environ.get("RANK") or 0) == 0:
-            print("\ninterrupted (Ctrl-C): stopped where it was; what it logged so far stays, "
-                  "nothing else was saved", file=sys.stderr, flush=True)
+            # the terminal echoed ^C where the cursor was: a bar's close ends that line
+            print(f"{'' if end_progress_bars() else chr(10)}interrupted (Ctrl-C): stopped where it "
+                  "was; what it logged so far stays, nothing else was saved", file=sys.stderr, flush=True)
         os._exit(130)  # no teardown: peers may be gone, and waiting for them would hang

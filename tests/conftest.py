@@ -61,6 +61,7 @@ def guide_cache(tmp_path_factory):
     that start together never race to train the same tokenizer. A test session that a
     test started (the GPU suite's rehearsal) takes over its parent session's cache."""
     from common.data import build_datasets
+    os.environ.pop("LLM_GUIDE_PROGRESS", None)  # no bars, as in a log file, unless a test asks
 
     def fill(cache):
         build_datasets("stdlib", seq_len=64, cache_dir=cache)

@@ -259,6 +259,30 @@ def test_a_lost_peer_is_one_line_per_rank(capsys, monkeypatch, error, says):
         run_main(lambda: (_ for _ in ()).throw(RuntimeError("DataLoader timed out after 5 seconds")))
 
 
+@pytest.mark.parametrize("error, starts", [
+    (RuntimeError("[gloo] Timed out waiting 8000ms for send operation to complete"), "error: rank 0: "),
+    (KeyboardInterrupt(), "interrupted (Ctrl-C)"),
+])
+def test_an_error_under_a_progress_bar_starts_its_own_line(capsys, monkeypatch, error, starts):
+    """In a terminal, rank 0 draws a progress bar that leaves the cursor at the end of
+    its line. A run that stops there says its one line on a line of its own, under the
+    bar's last state, not glued to the bar (the tracker's bar is still open when a peer
+    stops answering or Ctrl-C comes)."""
+    from tqdm import tqdm
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr("common.errors.launcher_stuck", lambda: False)
+    monkeypatch.setattr("common.errors.os._exit", lambda status: sys.exit(status))
+    bar = tqdm(total=12, desc="04-checkpointing")
+
+    def main():
+        bar.update(6)
+        raise error
+    with pytest.raises(SystemExit):
+        run_main(main)
+    drawn, line, end = capsys.readouterr().err.rsplit("\n", 2)
+    assert "04-checkpointing:  50%" in drawn.rsplit("\r", 1)[-1] and line.startswith(starts), (drawn, line)
+    assert end == "" and bar.disable                                # the bar was closed
+
 
 def test_out_of_memory_is_one_line_naming_the_batch_size(capsys, monkeypatch):
     """CUDA's OutOfMemoryError, raised in the middle of a step, ends the run with one

@@ -399,13 +399,17 @@ def test_write_json_on_a_full_disk_keeps_the_old_file_and_leaves_no_half_copy(sm
     assert json.loads(path.read_text()) == {"old": 1}
 
 
-def test_a_disk_that_fills_mid_run_stops_the_log_with_one_line(small_disk, capsys):
+@pytest.mark.parametrize("bar", [False, True], ids=["log-file", "progress-bar"])
+def test_a_disk_that_fills_mid_run_stops_the_log_with_one_line(small_disk, capsys, monkeypatch, bar):
     """metrics.jsonl is written a line at a time: when the disk fills mid-run, the run
     stops with exit status 1 and one line naming the file, no traceback and no
-    'Exception ignored' from the unflushed file at exit."""
+    'Exception ignored' from the unflushed file at exit. Under a progress bar (a
+    terminal) the line starts a line of its own, below the bar's last state."""
     import logging
 
     from common.tracker import Tracker
+    if bar:
+        monkeypatch.setenv("LLM_GUIDE_PROGRESS", "1")
     disk = small_disk(64 << 10)
     (disk / "run").mkdir()
     args = argparse.Namespace(experiment_name="run", model_preset="tiny", seq_length=8, batch_size=2)
@@ -417,5 +421,9 @@ def test_a_disk_that_fills_mid_run_stops_the_log_with_one_line(small_disk, capsy
             t.end_step()
             t.log(step, loss=1.0, lr=1e-3, note="x" * 200)
     err = capsys.readouterr().err
+    if bar:
+        drawn, line, end = err.rsplit("\n", 2)
+        assert "01-single-gpu:" in drawn.rsplit("\r", 1)[-1], err[-400:]  # the bar's last state stays
+        err = f"{line}\n{end}"
     assert stop.value.code == 1 and err.count("\n") == 1, err
     assert err.startswith(f"error: writing {disk / 'run' / 'metrics.jsonl'} failed (OSError: [Errno 28] "), err
