@@ -19,6 +19,7 @@ from contextlib import contextmanager
 
 import torch
 from torch.distributed import DistError
+from tqdm import tqdm
 
 
 class UsageError(Exception):
@@ -29,7 +30,6 @@ def end_progress_bars() -> bool:
     """A progress bar redraws its line in place and leaves the cursor at its end: close
     every bar this process shows (tqdm's, such as the tracker's) so that what is printed
     next starts a line of its own, under the bar's last state. Whether there was one."""
-    from tqdm import tqdm
     shown = [bar for bar in list(getattr(tqdm, "_instances", ())) if not bar.disable]
     for bar in shown:
         bar.close()
