@@ -123,6 +123,7 @@ class Parser(argparse.ArgumentParser):
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", HelpFormatter)
+        kwargs.setdefault("allow_abbrev", False)  # --max-step is a typo, not --max-steps
         super().__init__(*args, **kwargs)
         self.checks = []
 

@@ -241,7 +241,7 @@ def download_wheels(dest: Path, python_version: str, packages: list[str], exclud
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m common.gpu_check", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     p.add_argument("--out", type=Path, help="the folder every result goes into (new or empty)")
     p.add_argument("--dry-run", action="store_true", help="print the steps; run and create nothing")
     p.add_argument("--wheels", type=Path, default=WHEELS, help="the wheels to install from")

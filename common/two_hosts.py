@@ -234,7 +234,7 @@ def parse_args(argv=None):
         prog="python -m common.two_hosts",
         description="Run a chapter on two simulated machines (Linux network namespaces joined "
                     "by a veth pair; separate caches and save folders). Needs root and iproute2.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     p.add_argument("script", nargs="?", help="chapter script, e.g. 03-ddp/train_llm.py")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="flags passed to the script")
     p.add_argument("--subnet", default="10.77.0.0/24",
