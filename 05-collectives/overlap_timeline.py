@@ -65,7 +65,7 @@ def build(mode, args, config, demo, autocast):
     """One mode's model and optimizer, with the `step(x, y)` of the script that teaches it."""
     if mode in ("naive", "bucketed", "overlap", "ddp"):
         return Replica(mode, args, config, demo.device, demo.rank, demo.world, torch.float32, autocast)
-    if mode == "ch03-ddp":  # bucket_cap_mb=None: DDP's defaults, as chapter 03 wraps it
+    if mode == "ch03-ddp":  # bucket_cap_mb=None: DDP's default buckets, as in chapter 03
         return Replica("ddp", Namespace(**{**vars(args), "bucket_mb": None}), config, demo.device,
                        demo.rank, demo.world, torch.float32, autocast)
     return TRAINERS[mode](mode, args, config, demo, torch.float32, autocast)

@@ -245,7 +245,7 @@ def collectives_steps(args, out, step, torchrun) -> list[Step]:
     # on GPUs also the overlapped mode (what DDP does); on CPU it only adds minutes
     modes = ["--modes", "naive,bucketed,overlap,ddp"] if args.gpus and not env else []
     # the overlap timeline of every mode on GPUs; on CPU four (all eight would make it the
-    # tour's slowest step): naive, DDP with one big bucket, DDP as chapter 03 wraps it, FSDP2
+    # tour's slowest step): naive, DDP with one big bucket, DDP with chapter 03's buckets, FSDP2
     timeline_modes = [] if args.gpus and not env else ["--modes", "naive,ddp,ch03-ddp,fsdp2"]
     d = "05-collectives"
     return [
