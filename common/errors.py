@@ -4,8 +4,9 @@
 - `fail_on_each_machine`: a setup check each machine makes for itself before the
   process group exists; one line per machine, exit status 2.
 - `run_main(main)`: around a chapter's main(): Ctrl-C ends it with one line (exit 130), a
-  peer or network that stops answering with one line per process (exit 1), and so does a
-  batch too large for the device's memory (exit 1, with the flag to change).
+  peer or network that stops answering with one line per process (exit 1), and so do a
+  batch too large for the device's memory (exit 1, with the flag to change) and a
+  DataLoader worker that died (exit 1).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import signal
 import socket
 import sys
 import time
+import traceback
 from contextlib import contextmanager
 
 import torch
@@ -42,16 +44,33 @@ def say_error(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def fail(message: str, status: int = 2):
+def quit_on_stop_signals() -> None:
+    """SIGTERM and SIGINT end this process silently again, whatever handler a chapter
+    installed to note them (chapter 04's StopRequest). In the main thread only, where
+    Python runs signal handlers; elsewhere the handlers stay."""
+    try:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_DFL)
+    except ValueError:
+        pass
+
+
+def fail(message: str, status: int = 2, *, skip_teardown: bool = False):
     """One line on stderr, then exit with `status` (2: bad input). Under torchrun every
     rank usually sees the same bad input: rank 0 says it at once. The other ranks wait a
     moment before they speak and exit: torchrun stops a job as soon as one worker exits
     with an error, so a rank that left first could end rank 0 before it printed. If rank
-    0 did not fail (a rank's own error), they speak for themselves after the wait."""
+    0 did not fail (a rank's own error), they speak for themselves after the wait.
+    `skip_teardown`: leave at once (os._exit), where the interpreter's teardown would
+    print more of the same failure (the queues of a DataLoader worker that died)."""
     rank = int(os.environ.get("RANK") or 0)
     if rank != 0:
+        quit_on_stop_signals()  # torchrun's SIGTERM during the wait ends this rank unheard
         time.sleep(3.0)
     say_error(f"error: {'' if rank == 0 else f'[rank {rank}] '}{message}")
+    if skip_teardown:
+        sys.stdout.flush()
+        os._exit(status)
     sys.exit(status)
 
 
@@ -142,8 +161,25 @@ def explain_peer_failures():
 
 
 # What an allocation that does not fit says: CUDA's allocator raises OutOfMemoryError, the
-# CPU allocator a RuntimeError ("DefaultCPUAllocator: not enough memory").
-OUT_OF_MEMORY = ("out of memory", "not enough memory")
+# CPU allocator a RuntimeError: "DefaultCPUAllocator: not enough memory" when the size is
+# refused up front, "can't allocate memory" when Linux refuses it (a `ulimit -v` or
+# strict overcommit, common on clusters).
+OUT_OF_MEMORY = ("out of memory", "not enough memory", "can't allocate memory")
+# What the DataLoader says when a worker process died under it (torch's
+# torch/utils/data/dataloader.py): "DataLoader worker (pid 7507) is killed by signal:
+# Killed." (the kernel's out-of-memory killer sends SIGKILL), or "DataLoader worker
+# (pid(s) 7507) exited unexpectedly" when it went without one.
+WORKER_DIED = ("killed by signal", "exited unexpectedly")
+
+
+def dataloader_worker_died(e: BaseException) -> bool:
+    text = str(e).lower()
+    if isinstance(e, RuntimeError) and "dataloader worker (pid" in text and any(k in text for k in WORKER_DIED):
+        return True
+    # A worker that died while it handed a batch over breaks the pipe before the
+    # DataLoader sees it dead: the connection's own error, raised inside the DataLoader.
+    return isinstance(e, (ConnectionError, EOFError)) and any(
+        "torch/utils/data/" in frame.filename.replace(os.sep, "/") for frame in traceback.extract_tb(e.__traceback__))
 
 
 def out_of_memory(e: BaseException) -> bool:
@@ -158,15 +194,20 @@ MODEL_OOM_ADVICE = "try a smaller --batch-size, --seq-length or --model-preset"
 
 def run_main(main, oom_advice: str = TRAINING_OOM_ADVICE):
     """main(), with Ctrl-C as one line, a lost peer or network as one line per process
-    (`explain_peer_failures`), and a batch that does not fit in memory as one line
-    naming the flag to lower (`oom_advice`), instead of a traceback on every rank."""
+    (`explain_peer_failures`), a batch that does not fit in memory as one line naming
+    the flag to lower (`oom_advice`), and a DataLoader worker that died (killed, most
+    often for memory) as one line, instead of a traceback on every rank."""
     try:
         with explain_peer_failures():
             return main()
-    except (torch.OutOfMemoryError, RuntimeError) as e:
+    except (torch.OutOfMemoryError, RuntimeError, ConnectionError, EOFError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if dataloader_worker_died(e):
+            fail(f"a DataLoader worker died ({first[:200].rstrip('. ')}): the kernel's out-of-memory killer is the usual cause "
+                 f"(`dmesg` or `journalctl -k` says); free memory, or pass --num-workers 0 to load "
+                 f"batches in this process", status=1, skip_teardown=True)
         if not out_of_memory(e):
             raise
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         fail(f"out of memory ({first[:200]}): {oom_advice}", status=1)
     except KeyboardInterrupt:
         if int(os.environ.get("RANK") or 0) == 0:

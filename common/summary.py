@@ -174,7 +174,13 @@ def baseline_problem(s) -> str | None:
     if not (isinstance(tps, (int, float)) and math.isfinite(tps) and tps > 0):
         return "no tokens_per_s above 0 in it"
     missing = [k for k in ("chapter", "experiment_name") if k not in s]
-    return f"no {' or '.join(missing)} in it" if missing else None
+    if missing:
+        return f"no {' or '.join(missing)} in it"
+    if not isinstance(s.get("data") or {}, dict):
+        return "its data field is not an object"
+    if not all(isinstance(s.get(k, 0), (int, float)) for k in ("threads_per_process", "processes_per_machine")):
+        return "its thread counts are not numbers"
+    return None
 
 
 def find_baseline(path: str | os.PathLike, summary: dict) -> dict | None:

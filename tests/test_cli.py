@@ -9,6 +9,7 @@ import importlib
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -321,6 +322,62 @@ def test_out_of_memory_in_a_chapter_step(tmp_path, capsys, monkeypatch):
     assert exit_.value.code == 1
     err = [l for l in capsys.readouterr().err.splitlines() if l.startswith("error")]
     assert len(err) == 1 and "not enough memory" in err[0] and "--batch-size" in err[0], err
+
+# Each a real failure, in a process of its own: the words torch itself uses.
+REAL_FAILURES = {
+    # Linux refuses the allocation (an address-space limit, as clusters set with ulimit -v)
+    "cpu-allocator": ("""
+import resource, torch
+resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+run_main(lambda: torch.empty(8 << 30, dtype=torch.uint8))
+""", "error: out of memory ([enforce fail", "can't allocate memory"),
+    # the kernel's out-of-memory killer takes a DataLoader worker (SIGKILL)
+    "killed-worker": ("""
+import os, signal, torch
+from torch.utils.data import DataLoader
+class Dies(torch.utils.data.Dataset):
+    def __len__(self): return 100
+    def __getitem__(self, i):
+        if i == 5: os.kill(os.getpid(), signal.SIGKILL)
+        return i
+run_main(lambda: [b for b in DataLoader(Dies(), batch_size=1, num_workers=1)])
+""", "error: a DataLoader worker died (", "the kernel's out-of-memory killer is the usual cause"),
+    # (torch says "is killed by signal: Killed" or "exited unexpectedly", as its SIGCHLD
+    # handler or its queue sees the death first)
+}
+
+
+@pytest.mark.parametrize("case", sorted(REAL_FAILURES))
+def test_real_memory_failures_are_one_line(case):
+    """What torch really raises, not a message written here: the CPU allocator refused by
+    Linux, and a DataLoader worker killed, end the run with one line and exit status 1."""
+    code, starts, says = REAL_FAILURES[case]
+    proc = subprocess.run([sys.executable, "-c", "from common.errors import run_main\n" + code],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
+    assert proc.stderr.startswith(starts) and says in proc.stderr, proc.stderr
+
+
+def test_a_rank_told_to_stop_while_it_waits_to_speak_stays_silent(tmp_path):
+    """Rank 1 failing waits before it speaks (`fail`); torchrun, which saw rank 0 fail,
+    sends it SIGTERM then. Even with chapter 04's handler installed, which only notes a
+    SIGTERM, the rank ends at once without its copy of rank 0's line."""
+    code = """
+import os, signal, sys
+os.environ["RANK"] = "1"
+signal.signal(signal.SIGTERM, lambda *_: None)  # as chapter 04's StopRequest notes it
+from common.errors import fail
+print("waiting", flush=True)
+fail("the same line rank 0 said")
+"""
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "waiting\n"
+    time.sleep(0.5)
+    proc.send_signal(subprocess.signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == -15 and err == "", (proc.returncode, err)
+
 
 # The hang demo shows what a failed collective prints: its own report is the lesson.
 SHOWS_ITS_OWN_FAILURE = {"03-ddp/debug_hang.py"}

@@ -378,6 +378,10 @@ def test_the_baseline_is_a_chapter_01_run_with_the_same_kernels(tmp_path):
                                                       **size, **{k: k in on for k in switches}})
     (tmp_path / "not-a-summary").mkdir()  # JSON, but no object: passed over, not a crash
     (tmp_path / "not-a-summary" / "summary.json").write_text("[1, 2]")
+    for name, odd in [("data-a-string", {"data": "packed"}), ("threads-a-string", {"threads_per_process": "2"})]:
+        (tmp_path / name).mkdir()  # an object of the wrong shape (hand-edited): passed over too
+        write_json(tmp_path / name / "summary.json", {"chapter": "01-single-gpu", "experiment_name": name,
+                                                      **size, **{k: False for k in switches}, **odd})
     (tmp_path / "other-size").mkdir()
     write_json(tmp_path / "other-size" / "summary.json",
                {"chapter": "01-single-gpu", "experiment_name": "other-size", **size, "batch_size": 4})
