@@ -59,8 +59,11 @@ def write_jsonl(path: str | os.PathLike, records: list[dict]):
     """Rewrite a JSON-lines file atomically (a resumed run drops lines it will redo)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+        os.replace(tmp, path)
+    finally:  # a full disk must not leave the half-written copy behind
+        tmp.unlink(missing_ok=True)
 
 
 def write_json(path: str | os.PathLike, obj: dict):

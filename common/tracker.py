@@ -52,10 +52,14 @@ class Tracker:
         self.writer = None
         if rank == 0:
             path = self.run_dir / "metrics.jsonl"
-            if start_step and path.exists():  # a resumed run: drop what it will redo
-                write_jsonl(path, [r for r in read_metrics(path)
-                                   if isinstance(r.get("step"), int) and r["step"] <= start_step])
-            self.writer = MetricsWriter(path, append=start_step > 0)
+            try:
+                if start_step and path.exists():  # a resumed run: drop what it will redo
+                    write_jsonl(path, [r for r in read_metrics(path)
+                                       if isinstance(r.get("step"), int) and r["step"] <= start_step])
+                self.writer = MetricsWriter(path, append=start_step > 0)
+            except OSError as e:  # a full disk, or a folder in its place: one line
+                fail(f"writing {path} failed ({one_line(e)}); free some space (or move what "
+                     f"is there aside) and run again", status=1)
         # Real (non-pad) target tokens: with --padded, tokens/s counts the padding too, so
         # the real count is kept beside it. Added up on the device (no wait per step) and
         # read at log time, when the loss is read anyway.

@@ -403,6 +403,29 @@ def test_write_json_on_a_full_disk_keeps_the_old_file_and_leaves_no_half_copy(sm
     assert json.loads(path.read_text()) == {"old": 1}
 
 
+def test_a_resumed_run_on_a_full_disk_keeps_its_metrics_and_says_one_line(small_disk, capsys):
+    """Chapter 04 resuming rewrites metrics.jsonl without the steps it will redo. On a
+    disk with no room for that copy the run stops with one line (exit status 1), the
+    metrics already there stay whole, and no half-written copy is left beside them."""
+    import logging
+
+    from common.tracker import Tracker
+    disk = small_disk(64 << 10)
+    (disk / "run").mkdir()
+    # 40 KB of metrics on a 64 KB disk: no room for the rewritten copy of 39 KB
+    lines = "".join(json.dumps({"step": i, "loss": 1.0, "note": "x" * 200}) + "\n" for i in range(1, 166))
+    (disk / "run" / "metrics.jsonl").write_text(lines)
+    args = argparse.Namespace(experiment_name="run", model_preset="tiny", seq_length=8, batch_size=2)
+    with pytest.raises(SystemExit) as stop:
+        Tracker("04-checkpointing", disk / "run", "cpu", 200, 16, logging.getLogger("test"), threads=(1, 1),
+                args=args, dtype="fp32", num_params=1000, flops_per_token=1e4, start_step=160)
+    err = capsys.readouterr().err
+    assert stop.value.code == 1 and err.count("\n") == 1, err
+    assert err.startswith(f"error: writing {disk / 'run' / 'metrics.jsonl'} failed (OSError: [Errno 28] "), err
+    assert sorted(p.name for p in (disk / "run").iterdir()) == ["metrics.jsonl"]
+    assert (disk / "run" / "metrics.jsonl").read_text() == lines
+
+
 @pytest.mark.parametrize("bar", [False, True], ids=["log-file", "progress-bar"])
 def test_a_disk_that_fills_mid_run_stops_the_log_with_one_line(small_disk, capsys, monkeypatch, bar):
     """metrics.jsonl is written a line at a time: when the disk fills mid-run, the run
