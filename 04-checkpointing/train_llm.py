@@ -37,6 +37,7 @@ from common.data import IGNORE_INDEX, build_datasets, check_enough_samples, data
 from common.distributed import DDP_NO_BUFFER_SYNC, backend_for, gc_and_destroy_process_group, init_process_group_for_restarts  # noqa: E402
 from common.environment import environment_info, exit_with_launcher, set_tf32, share_cpu_threads  # noqa: E402
 from common.errors import run_main  # noqa: E402
+from common.jsonfiles import read_json_or_none  # noqa: E402
 from common.masks import build_attention_mask  # noqa: E402
 from common.model import LlamaForCausalLM, describe, flops_per_token, get_config, num_parameters  # noqa: E402
 from common.runfolder import archive_run, claim_run_folder, save_weights  # noqa: E402
@@ -155,9 +156,12 @@ def resume(args, run_dir, train_state, rank, settings, log):
 
 
 def finished_before(run_dir, step: int, total_steps: int, rank: int) -> bool:
-    """Did this run finish before: all its steps, and its summary written? Rank 0's disk
-    holds the answer (the other machines' may not share it); every rank receives it."""
-    finished = [step >= total_steps and rank == 0 and (Path(run_dir) / "summary.json").exists()]
+    """Did this run finish before: all its steps, its weights and a readable summary
+    written? (If not, its end runs again.) Rank 0's disk holds the answer (the other
+    machines' may not share it); every rank receives it."""
+    weights = Path(run_dir) / "model.pt"
+    finished = [step >= total_steps and rank == 0 and isinstance(read_json_or_none(Path(run_dir) / "summary.json"), dict)
+                and weights.is_file() and weights.stat().st_size > 0]
     if dist.is_initialized():
         dist.broadcast_object_list(finished, src=0)
     return finished[0]

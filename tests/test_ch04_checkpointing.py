@@ -5,6 +5,7 @@ a finished run is left alone."""
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 
@@ -131,6 +132,21 @@ def test_rerun_of_a_finished_run_changes_nothing(tmp_path, uninterrupted):
     proc = train(tmp_path)
     assert f"this run already finished (step {STEPS} of {STEPS}); nothing to do" in proc.stdout
     assert snapshot(run_dir) == before and (run_dir / "summary.json").read_bytes() == summary
+
+
+def test_rerun_of_a_finished_run_with_a_damaged_end_finishes_it_again(tmp_path, uninterrupted):
+    """A finished run whose summary.json was cut short and whose model.pt is gone is not
+    'already finished': the rerun runs its end again (validation, sample, weights,
+    summary) from the last checkpoint, and trains nothing."""
+    run_dir = copy_run(uninterrupted[1], tmp_path)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    (run_dir / "summary.json").write_text((run_dir / "summary.json").read_text()[:100])
+    (run_dir / "model.pt").unlink()
+    proc = train(tmp_path)
+    assert "already finished" not in proc.stdout
+    assert f"training finished at step {STEPS}; its end" in proc.stdout and "finishing it now" in proc.stdout
+    again = json.loads((run_dir / "summary.json").read_text())
+    assert again["val_loss"] == summary["val_loss"] and (run_dir / "model.pt").stat().st_size > 0
 
 
 def test_resume_with_a_different_flag_is_refused(tmp_path, uninterrupted):
