@@ -142,11 +142,16 @@ def is_disk_full(e: BaseException, where: Path | None = None) -> bool:
     return where is not None and shutil.disk_usage(where).free < 8 * 2**20
 
 
-def disk_full_message(folder: Path, needed_mb: float) -> str:
+def disk_full_message(folder: Path, written_mb: float) -> str:
+    """The one line for a checkpoint that did not fit. `written_mb` is what the failed
+    save wrote before the disk filled (about the space that was free); a checkpoint
+    already in `folder` (`step-*`) tells the size one really needs."""
+    saved = [dir_size_mb(p) for p in Path(folder).glob("step-*") if p.is_dir()]
+    needed = f"about {max(saved):,.0f} MB" if saved else f"more than {written_mb:,.0f} MB"
     free_mb = shutil.disk_usage(folder).free / 2**20
-    return (f"disk full while saving into {folder}: a checkpoint needs about {needed_mb:,.0f} MB "
-            f"and {free_mb:,.0f} MB are free; free some space or lower --keep-last, then run "
-            f"the same command to resume")
+    return (f"disk full while saving into {folder}: a checkpoint needs {needed} and {free_mb:,.0f} MB "
+            f"are free; free some space (step-* folders older than the one `latest` names may go: "
+            f"--keep-last prunes only after a save succeeds), then run the same command to resume")
 
 
 def one_line(e: BaseException) -> str:

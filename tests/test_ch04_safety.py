@@ -300,6 +300,8 @@ def test_a_full_disk_stops_the_run_with_one_line_and_leaves_no_debris(tmp_path):
         errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
         assert errors and all("disk full while saving into" in e for e in errors), proc.stderr[-3000:]
         ckpt = disk / NAME / "checkpoints"
+        size = sum(f.stat().st_size for f in (ckpt / step_dir(FREQ)).iterdir()) / 2**20
+        assert f"a checkpoint needs about {size:,.0f} MB and " in errors[0], errors  # the real size
         assert not list(ckpt.glob(".tmp-*"))
         assert (ckpt / "latest").read_text() == step_dir(FREQ)
     finally:
