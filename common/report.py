@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .cli import DEFAULT_SAVE_DIR, Parser, check_writable_folder
+from .durable import atomic_write
 from .errors import UsageError
 from .jsonfiles import read_metrics
 from .peak_flops import busy as machine_busy
@@ -313,8 +314,11 @@ def _pyplot():
 
 
 def _save(plt, fig, path: Path) -> Path:
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
+    """Whole or not at all: a full disk leaves the previous report's image as it was."""
+    try:
+        atomic_write(path, lambda f: fig.savefig(f, dpi=DPI, format="png"))
+    finally:
+        plt.close(fig)
     return path
 
 
@@ -472,7 +476,8 @@ def write_report(runs: list[Run], out: Path, sections=()) -> tuple[str, list[Pat
         written.append(loss)
     images = "\n".join(f"![{p.stem}]({p.name})" for p in written)
     md = out / "report.md"
-    md.write_text("\n\n".join(filter(None, ["# Run comparison", text, *sections, images])) + "\n")
+    body = "\n\n".join(filter(None, ["# Run comparison", text, *sections, images])) + "\n"
+    atomic_write(md, lambda f: f.write(body.encode()))
     return text, [md, *written]
 
 

@@ -394,3 +394,20 @@ def test_a_quoted_tilde_in_out_is_the_home_folder(runs_dir, tmp_path, monkeypatc
     monkeypatch.chdir(tmp_path)
     assert report.main([str(runs_dir), "--out", "~/report"]) == 0
     assert (tmp_path / "report" / "report.md").is_file() and not (tmp_path / "~").exists()
+
+
+def test_a_full_disk_leaves_the_previous_report_whole(runs_dir, small_disk, capsys):
+    """Writing the report again into a folder whose disk has filled: one line (exit
+    status 1), and every file of the previous report is still whole (each is written
+    beside its target and renamed over it), with no half-written copy beside it."""
+    out = small_disk(2 << 20)
+    assert report.main([str(runs_dir), "--out", str(out)]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    free = shutil.disk_usage(out).free
+    (out / "filler").write_bytes(b"\0" * (free - 4096))
+    capsys.readouterr()
+    assert report.main([str(runs_dir), "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: writing the report into {out} failed"), err
+    (out / "filler").unlink()
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
