@@ -259,6 +259,9 @@ def cache_unwritable(folder: Path, e: OSError) -> DataError:
     """The one line for a cache folder that cannot take a file (read-only, full, not a
     folder): what failed, and the two ways out."""
     why = e.strerror or type(e).__name__
+    if Path(folder).exists() and not Path(folder).is_dir():
+        return DataError(f"the cache folder {folder} is a file, not a folder; point --cache-dir "
+                         f"(or $LLM_GUIDE_CACHE) at a folder")
     return DataError(f"the cache folder {folder} cannot be written ({why}); free space there, "
                      f"or point --cache-dir (or $LLM_GUIDE_CACHE) at a writable folder")
 
@@ -305,6 +308,8 @@ def train_tokenizer(texts, vocab_size: int = DEFAULT_VOCAB_SIZE):
 def load_tokenizer(path: str | os.PathLike):
     from tokenizers import Tokenizer
 
+    if os.path.isdir(path):
+        raise DataError(f"tokenizer file {str(path)!r} is a folder, not a tokenizers JSON file")
     if not os.path.isfile(path):
         raise DataError(f"tokenizer file {str(path)!r} does not exist")
     try:

@@ -194,6 +194,9 @@ def test_tokenizer_path_is_used_and_bad_files_refused(corpus, tokenizer, tmp_pat
     with pytest.raises(DataError, match="does not exist") as err:
         load_tokenizer(tmp_path / "nope.json")
     one_line(err)
+    with pytest.raises(DataError, match="is a folder, not a tokenizers JSON file") as err:
+        load_tokenizer(tmp_path)
+    one_line(err)
     garbage = tmp_path / "garbage.json"
     garbage.write_text("{ not json")
     with pytest.raises(DataError, match="not a tokenizers JSON") as err:
@@ -352,6 +355,9 @@ def test_a_cache_that_cannot_be_written_is_one_line_and_leaves_nothing(corpus_di
     blocked.write_text("")
     with pytest.raises(DataError, match=r"cache folder .*a-file/cache cannot be written .*--cache-dir") as err:
         build_datasets(str(corpus_dir), 16, vocab_size=VOCAB, cache_dir=blocked / "cache")
+    one_line(err)
+    with pytest.raises(DataError, match=r"cache folder .*a-file is a file, not a folder; point --cache-dir") as err:
+        build_datasets(str(corpus_dir), 16, vocab_size=VOCAB, cache_dir=blocked)  # $LLM_GUIDE_CACHE, say
     one_line(err)
 
     def read_only(*a, **k):
