@@ -36,11 +36,10 @@ from common.checkpoint_folder import run_settings  # noqa: E402
 from common.data import IGNORE_INDEX, build_datasets, check_enough_samples, dataset_info, local_rank0_first, worker_start_method  # noqa: E402
 from common.distributed import DDP_NO_BUFFER_SYNC, backend_for, gc_and_destroy_process_group, init_process_group_for_restarts  # noqa: E402
 from common.environment import environment_info, exit_with_launcher, set_tf32, share_cpu_threads  # noqa: E402
-from common.errors import run_main  # noqa: E402
-from common.jsonfiles import read_json_or_none  # noqa: E402
+from common.errors import INTERRUPTED_RESUMABLE, run_main  # noqa: E402
 from common.masks import build_attention_mask  # noqa: E402
 from common.model import LlamaForCausalLM, describe, flops_per_token, get_config, num_parameters  # noqa: E402
-from common.runfolder import archive_run, claim_run_folder, save_weights  # noqa: E402
+from common.runfolder import archive_run, claim_run_folder, outputs_complete, save_weights  # noqa: E402
 from common.tracker import Tracker  # noqa: E402
 from common.training import build_optimizer, evaluate, lr_lambda, sample  # noqa: E402
 
@@ -156,12 +155,9 @@ def resume(args, run_dir, train_state, rank, settings, log):
 
 
 def finished_before(run_dir, step: int, total_steps: int, rank: int) -> bool:
-    """Did this run finish before: all its steps, its weights and a readable summary
-    written? (If not, its end runs again.) Rank 0's disk holds the answer (the other
-    machines' may not share it); every rank receives it."""
-    weights = Path(run_dir) / "model.pt"
-    finished = [step >= total_steps and rank == 0 and isinstance(read_json_or_none(Path(run_dir) / "summary.json"), dict)
-                and weights.is_file() and weights.stat().st_size > 0]
+    """Did this run finish before: all its steps, its summary and weights whole? Rank 0's disk
+    holds the answer (the other machines' may not share it); every rank receives it."""
+    finished = [step >= total_steps and rank == 0 and outputs_complete(Path(run_dir))]
     if dist.is_initialized():
         dist.broadcast_object_list(finished, src=0)
     return finished[0]
@@ -345,4 +341,4 @@ def main():
 
 
 if __name__ == "__main__":
-    run_main(main)
+    run_main(main, interrupted=INTERRUPTED_RESUMABLE)  # Ctrl-C outside the loop

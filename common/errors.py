@@ -151,8 +151,14 @@ def explain_peer_failures():
         first = first.split("] ", 1)[-1] if first.startswith("[") else first
         rank = os.environ.get("RANK", "0")
         stuck = launcher_stuck()
-        hint = ("; check that every machine is up and the network between them works, then rerun "
-                "(chapter 04 resumes from its last checkpoint)")
+        left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0) - int(
+            os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+        if left > 0 and not stuck:  # torchrun --max-restarts: it starts the workers again itself
+            hint = (f"; torchrun starts the workers again ({left} restart{'s' if left > 1 else ''} "
+                    f"left; chapter 04 resumes from its last checkpoint)")
+        else:
+            hint = ("; check that every machine is up and the network between them works, then rerun "
+                    "(chapter 04 resumes from its last checkpoint)")
         say_error(f"error: rank {rank}: {what} ({first}){hint}")
         sys.stdout.flush()
         if stuck:
@@ -192,7 +198,13 @@ TRAINING_OOM_ADVICE = ("try a smaller --batch-size (per process), and a larger -
 MODEL_OOM_ADVICE = "try a smaller --batch-size, --seq-length or --model-preset"
 
 
-def run_main(main, oom_advice: str = TRAINING_OOM_ADVICE):
+INTERRUPTED = "stopped where it was; what it logged so far stays, nothing else was saved"
+# chapter 04 outside its training loop (its loop saves a checkpoint first, preemption.py)
+INTERRUPTED_RESUMABLE = ("stopped where it was; the checkpoints saved so far stay, and the same "
+                         "command resumes from the last one")
+
+
+def run_main(main, oom_advice: str = TRAINING_OOM_ADVICE, interrupted: str = INTERRUPTED):
     """main(), with Ctrl-C as one line, a lost peer or network as one line per process
     (`explain_peer_failures`), a batch that does not fit in memory as one line naming
     the flag to lower (`oom_advice`), and a DataLoader worker that died (killed, most
@@ -212,6 +224,6 @@ def run_main(main, oom_advice: str = TRAINING_OOM_ADVICE):
     except KeyboardInterrupt:
         if int(os.environ.get("RANK") or 0) == 0:
             # the terminal echoed ^C where the cursor was: a bar's close ends that line
-            print(f"{'' if end_progress_bars() else chr(10)}interrupted (Ctrl-C): stopped where it "
-                  "was; what it logged so far stays, nothing else was saved", file=sys.stderr, flush=True)
+            print(f"{'' if end_progress_bars() else chr(10)}interrupted (Ctrl-C): {interrupted}",
+                  file=sys.stderr, flush=True)
         os._exit(130)  # no teardown: peers may be gone, and waiting for them would hang

@@ -14,6 +14,7 @@
 - `release_run_folders`: give them up (at exit, on its own).
 - `archive_run`: move a previous run's files into `archive-<time>/` (chapter 04's --fresh).
 - `save_weights`: the run's final `model.pt`, whole or absent, its failure heard by every rank.
+- `outputs_complete`: a finished run's summary and weights are there and readable.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from .distributed import first_error
 from .checkpoint_folder import commit_on_rank0
 from .durable import atomic_write
 from .errors import fail
+from .jsonfiles import read_json_or_none
 
 OWNER_FILE = ".owner"
 MOUNTS = "/proc/mounts"
@@ -222,6 +224,14 @@ def _owner(run_dir: Path) -> str:
         return (run_dir / OWNER_FILE).read_text().strip()
     except OSError:
         return ""
+
+
+def outputs_complete(run_dir: Path) -> bool:
+    """Whether a run's end left its outputs whole: a readable summary.json and a model.pt
+    (chapter 04 runs the end of a run again where they are not)."""
+    weights = Path(run_dir) / "model.pt"
+    return (isinstance(read_json_or_none(Path(run_dir) / "summary.json"), dict)
+            and weights.is_file() and weights.stat().st_size > 0)
 
 
 def holds_results(run_dir: Path) -> bool:

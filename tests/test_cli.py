@@ -260,6 +260,12 @@ def test_a_lost_peer_is_one_line_per_rank(capsys, monkeypatch, error, says):
     assert exit_.value.code == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"error: rank 1: {says}") and str(error)[-20:] in err, err
+    assert err.rstrip().endswith("then rerun (chapter 04 resumes from its last checkpoint)"), err
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")  # torchrun --max-restarts=3, first restart
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    with pytest.raises(SystemExit):
+        run_main(lambda: (_ for _ in ()).throw(error))
+    assert "; torchrun starts the workers again (2 restarts left; " in capsys.readouterr().err
     with pytest.raises(RuntimeError, match="DataLoader timed out"):  # not a collective: its traceback
         run_main(lambda: (_ for _ in ()).throw(RuntimeError("DataLoader timed out after 5 seconds")))
 
