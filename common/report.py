@@ -112,6 +112,11 @@ def load_runs(summary_paths) -> list[Run]:
             summary = json.loads(path.read_text())
             if not isinstance(summary, dict):
                 raise ValueError("not a JSON object")
+            if "diverged_at_step" in summary or ("tokens_per_s" not in summary and summary.get("notes")):
+                why = (f"the run diverged at step {summary['diverged_at_step']}" if "diverged_at_step" in summary
+                       else str(summary["notes"][0]))
+                print(f"note: leaving out {path}: no speeds to compare ({why})", file=sys.stderr)
+                continue
             missing = [k for k in REQUIRED_KEYS if k not in summary]
             if missing:
                 raise ValueError(f"missing keys {', '.join(missing)}")

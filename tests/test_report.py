@@ -411,3 +411,21 @@ def test_a_full_disk_leaves_the_previous_report_whole(runs_dir, small_disk, caps
     assert err.count("\n") == 1 and err.startswith(f"error: writing the report into {out} failed"), err
     (out / "filler").unlink()
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_runs_without_speeds_by_design_are_left_out_with_a_note(runs_dir, tmp_path, capsys):
+    """A chapter 04 run whose training ended in an earlier process, and a run that
+    diverged, write summaries without speeds on purpose: the report leaves them out with
+    a note that says why, not a warning that calls them corrupt."""
+    for name, summary in [("finished-later", {"chapter": "04-checkpointing", "experiment_name": "x",
+                                              "notes": ["training ended in an earlier process"]}),
+                          ("diverged", {"chapter": "01-single-gpu", "diverged_at_step": 7, "loss": "nan",
+                                        "steps": 7, "tokens_per_s": 1.0})]:
+        (runs_dir / "d" / name).mkdir(parents=True)
+        write_json(runs_dir / "d" / name / "summary.json", summary)
+    assert report.main([str(runs_dir), "--out", str(tmp_path / "r")]) == 0
+    captured = capsys.readouterr()
+    assert len(table_rows(captured.out)) == 3
+    notes = sorted(captured.err.splitlines())
+    assert len(notes) == 2 and all(n.startswith("note: leaving out ") for n in notes), notes
+    assert "(the run diverged at step 7)" in notes[0] and "(training ended in an earlier process)" in notes[1]
