@@ -92,6 +92,14 @@ def share_the_cores_among_workers():
         torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True)
+def no_progress_bars_unless_asked():
+    """Every test starts as in a log file: no LLM_GUIDE_PROGRESS, whatever an earlier test
+    in this worker left (datasets' map with num_proc replaces os.environ with a copy,
+    out of monkeypatch's reach)."""
+    os.environ.pop("LLM_GUIDE_PROGRESS", None)
+
+
 @pytest.fixture
 def one_rank_group():
     """A gloo process group of one rank inside the test (one CPU thread): the scripts'

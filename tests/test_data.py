@@ -567,11 +567,14 @@ def test_a_large_local_corpus_is_tokenized_by_processes_with_a_progress_bar(corp
 
     monkeypatch.setattr(datasets.Dataset, "map", spy)
     (tmp_path / "one").mkdir(), (tmp_path / "two").mkdir()
-    monkeypatch.delenv("LLM_GUIDE_PROGRESS", raising=False)
+    # show_progress patched, not LLM_GUIDE_PROGRESS set: datasets' map with num_proc puts a
+    # deep copy in place of os.environ (datasets 5.2, arrow_dataset.py), so monkeypatch's
+    # undo would restore the old object and the variable would outlive the test
+    monkeypatch.setattr(data, "show_progress", lambda: False)
     one = data.tokenize_corpus(corpus, tok, tmp_path / "one", num_proc=2)  # a few bytes: one process
     assert "tokenizing" not in capfd.readouterr().err               # nobody watches: no bar
     monkeypatch.setattr(data, "TEXT_PER_PROCESS", 1)                        # as if it were large
-    monkeypatch.setenv("LLM_GUIDE_PROGRESS", "1")                           # as the tour asks
+    monkeypatch.setattr(data, "show_progress", lambda: True)                 # as the tour asks
     two = data.tokenize_corpus(corpus, tok, tmp_path / "two", num_proc=2)
     assert calls == [None, 2]
     assert two["ids"] == one["ids"]                                 # the same ids, in order
