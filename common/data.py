@@ -66,6 +66,20 @@ def quiet_datasets():
         datasets.enable_progress_bars()
 
 
+@contextmanager
+def datasets_logs_muted():
+    """No `datasets` log lines (its JSON builder logs a parse error before raising it):
+    the error that follows becomes the run's one line."""
+    import datasets
+
+    level = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    try:
+        yield
+    finally:
+        datasets.logging.set_verbosity(level)
+
+
 def datasets_progress():
     """`datasets`' own progress bars where someone watches (`show_progress`), none in a
     log file."""
@@ -167,7 +181,8 @@ def _read_local(name: str, files: list[str], text_column: str):
     import datasets
 
     try:
-        with datasets_progress():  # its "Downloading data" bar copies local files, no network
+        # datasets' "Downloading data" bar copies local files (no network)
+        with datasets_progress(), datasets_logs_muted():
             if not files[0].endswith(".jsonl"):
                 # one document per file, like the stdlib corpus
                 return datasets.load_dataset("text", data_files=files, split="train",

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import sysconfig
 import time
 from pathlib import Path
@@ -19,7 +21,7 @@ from common.data import (BOT, EOT, IGNORE_INDEX, PAD, DataError, Documents, Pack
                          PaddedDataset, build_datasets, check_enough_samples, get_tokenizer,
                          load_corpus, load_tokenizer, open_corpus, special_ids, split_mask,
                          stdlib_files, token_cache_path, token_dtype, token_files)
-from conftest import free_port
+from conftest import REPO, free_port
 
 VOCAB = 300
 DOCS = {  # relative path -> text; one document per file, several lines each
@@ -335,9 +337,12 @@ def test_too_small_datasets_are_refused(corpus_dir, tmp_path):
 @pytest.mark.parametrize("name, content, message", [
     ("bin.txt", bytes(range(128, 256)) * 20, "could not read"),
     ("bad.jsonl", b'{"text": "a"}\n{bad json\n', "could not read"),
+    ("bad-only.jsonl", b"{bad json\n", "could not read"),
     ("num.jsonl", b'{"text": 5}\n{"text": 7}\n', "holds int values"),
 ])
 def test_unreadable_local_files_are_one_line_data_errors(tmp_path, name, content, message):
+    """The DataError is the only word: `datasets` logs nothing of its own before it (its
+    JSON builder logged 'Failed to load JSON from file ...' on stderr)."""
     from common.data import DataError, load_corpus
 
     path = tmp_path / name
@@ -345,6 +350,11 @@ def test_unreadable_local_files_are_one_line_data_errors(tmp_path, name, content
     with pytest.raises(DataError) as err:
         load_corpus(str(path))
     assert message in str(err.value) and "\n" not in str(err.value)
+    if name.endswith(".jsonl"):  # datasets' own log handler, as a chapter's process has it
+        code = (f"from common.data import DataError, load_corpus\ntry:\n    load_corpus({str(path)!r})\n"
+                f"except DataError:\n    pass")
+        proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+        assert proc.returncode == 0 and proc.stderr == "", proc.stderr
 
 
 def test_a_cache_that_cannot_be_written_is_one_line_and_leaves_nothing(corpus_dir, tmp_path, monkeypatch):
