@@ -215,9 +215,9 @@ def run_main(main, oom_advice: str = TRAINING_OOM_ADVICE, interrupted: str = INT
     except (torch.OutOfMemoryError, RuntimeError, ConnectionError, EOFError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if dataloader_worker_died(e):
-            fail(f"a DataLoader worker died ({first[:200].rstrip('. ')}): the kernel's out-of-memory killer is the usual cause "
-                 f"(`dmesg` or `journalctl -k` says); free memory, or pass --num-workers 0 to load "
-                 f"batches in this process", status=1, skip_teardown=True)
+            fail(f"a DataLoader worker died ({first[:200].rstrip('. ')}): the kernel's out-of-memory "
+                 f"killer is the usual cause (`dmesg` or `journalctl -k` says); free memory, or pass "
+                 f"--num-workers 0 to load batches in this process", status=1, skip_teardown=True)
         if not out_of_memory(e):
             raise
         fail(f"out of memory ({first[:200]}): {oom_advice}", status=1)

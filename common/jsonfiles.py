@@ -57,21 +57,19 @@ def read_json_or_none(path: str | os.PathLike) -> dict | list | None:
 
 def write_jsonl(path: str | os.PathLike, records: list[dict]):
     """Rewrite a JSON-lines file atomically (a resumed run drops lines it will redo)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
-        os.replace(tmp, path)
-    finally:  # a full disk must not leave the half-written copy behind
-        tmp.unlink(missing_ok=True)
+    _write_whole(Path(path), "".join(json.dumps(r) + "\n" for r in records))
 
 
 def write_json(path: str | os.PathLike, obj: dict):
     """Write beside the target and rename, so readers never see half a file."""
-    path = Path(path)
+    _write_whole(Path(path), json.dumps(obj, indent=2) + "\n")
+
+
+def _write_whole(path: Path, text: str):
+    """`text` beside `path`, then renamed over it: the old file or the new one, whole."""
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # concurrent writers: one each
     try:
-        tmp.write_text(json.dumps(obj, indent=2) + "\n")
+        tmp.write_text(text)
         os.replace(tmp, path)
     finally:  # a full disk must not leave the half-written copy behind
         tmp.unlink(missing_ok=True)
