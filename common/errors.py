@@ -17,7 +17,7 @@ import socket
 import sys
 import time
 import traceback
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 import torch
 from torch.distributed import DistError
@@ -48,11 +48,9 @@ def quit_on_stop_signals() -> None:
     """SIGTERM and SIGINT end this process silently again, whatever handler a chapter
     installed to note them (chapter 04's StopRequest). In the main thread only, where
     Python runs signal handlers; elsewhere the handlers stay."""
-    try:
+    with suppress(ValueError):
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_DFL)
-    except ValueError:
-        pass
 
 
 def fail(message: str, status: int = 2, *, skip_teardown: bool = False):
@@ -213,6 +211,10 @@ def run_main(main, oom_advice: str = TRAINING_OOM_ADVICE, interrupted: str = INT
         with explain_peer_failures():
             return main()
     except (torch.OutOfMemoryError, RuntimeError, ConnectionError, EOFError) as e:
+        # A DataLoader's SIGCHLD handler raises again, anywhere, once it sees its dead
+        # worker (even inside the print below): this process is ending, so not any more.
+        with suppress(ValueError):  # (the main thread only)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if dataloader_worker_died(e):
             fail(f"a DataLoader worker died ({first[:200].rstrip('. ')}): the kernel's out-of-memory "
