@@ -104,8 +104,10 @@ def launcher_stuck() -> bool:
     in a one-rendezvous-host setup) no longer answers a TCP connect. torchrun's agent on
     this machine then waits on that store and does not return (torch 2.13, measured: still
     blocked in the store's get after 90 s, with --rdzv-conf read_timeout=10), so nothing
-    would end it."""
-    if os.environ.get("TORCHELASTIC_RUN_ID") is None:
+    would end it. Only where the agent hosts that store (TORCHELASTIC_USE_AGENT_STORE,
+    torchrun's default): where rank 0's worker hosts it (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)
+    it is gone as soon as rank 0 has ended, which says nothing of the agent."""
+    if os.environ.get("TORCHELASTIC_RUN_ID") is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return False
     return not reachable(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
 

@@ -270,6 +270,24 @@ def test_a_lost_peer_is_one_line_per_rank(capsys, monkeypatch, error, says):
         run_main(lambda: (_ for _ in ()).throw(RuntimeError("DataLoader timed out after 5 seconds")))
 
 
+def test_a_closed_store_means_a_stuck_torchrun_only_where_torchrun_hosts_it(monkeypatch):
+    """A lost peer stops this machine's torchrun only when rank 0's machine no longer
+    answers on MASTER_PORT and torchrun's agent hosts the store there (its default). Where
+    rank 0's worker hosts it, the port closes as soon as rank 0 has ended (the suite's
+    launcher works so): then nothing is stopped, and the restarts go on."""
+    from common.errors import launcher_stuck
+    from warm import free_port
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))  # nothing listens there
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    assert launcher_stuck()
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+    assert not launcher_stuck()
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE")
+    assert not launcher_stuck()
+
+
 @pytest.mark.parametrize("error, starts", [
     (RuntimeError("[gloo] Timed out waiting 8000ms for send operation to complete"), "error: rank 0: "),
     (KeyboardInterrupt(), "interrupted (Ctrl-C)"),
