@@ -75,7 +75,9 @@ def trace_one_step(trainer, batches, demo) -> dict:
     """The untraced warm-up steps, then one step under the profiler; this rank's trace."""
     for x, y in batches[:-1]:
         trainer.step(x, y)
-    with profile(activities=profiler_activities(demo.device)) as prof:
+    # one cycle per profiler: acc_events=True only spares torch 2.11's warning that later
+    # cycles would drop the events (it prints it on every first cycle)
+    with profile(activities=profiler_activities(demo.device), acc_events=True) as prof:
         dist.barrier()  # every rank starts the step together, so the lanes line up
         with record_function(timeline.STEP):
             trainer.step(*batches[-1])

@@ -53,6 +53,7 @@ def test_png_and_chrome_traces_are_written(traced):
     proc, run_dir = traced
     # on a CPU the profiler's own log (a `USDT: ... profiler_start` line per recording) is off
     assert "USDT" not in proc.stdout + proc.stderr and "profiler_start" not in proc.stderr
+    assert "Profiler clears events" not in proc.stderr  # torch 2.11's warning, unless acc_events
     png = (run_dir / "overlap_timeline.png").read_bytes()
     assert png[:8] == PNG_SIGNATURE and len(png) > 10_000
     for mode in ("naive", "ch03-ddp"):
