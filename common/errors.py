@@ -107,7 +107,8 @@ def launcher_stuck() -> bool:
     would end it. Only where the agent hosts that store (TORCHELASTIC_USE_AGENT_STORE,
     torchrun's default): where rank 0's worker hosts it (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)
     it is gone as soon as rank 0 has ended, which says nothing of the agent."""
-    if os.environ.get("TORCHELASTIC_RUN_ID") is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if os.environ.get("TORCHELASTIC_RUN_ID") is None or not agent_store:
         return False
     return not reachable(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
 

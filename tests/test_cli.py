@@ -17,8 +17,8 @@ from torch.distributed import DistError
 
 from common.cli import base_parser, check_args, checkpoint_folder, script_parser
 from common.distributed import BACKEND_ENV, backend_for, gpu_sharing_error
-from common.errors import UsageError, fail, run_main
-from conftest import REPO, TINY, load_script, refused
+from common.errors import UsageError, fail, launcher_stuck, run_main
+from conftest import REPO, TINY, free_port, load_script, refused
 
 
 def parse(save_dir, *argv, **kwargs):
@@ -275,8 +275,6 @@ def test_a_closed_store_means_a_stuck_torchrun_only_where_torchrun_hosts_it(monk
     answers on MASTER_PORT and torchrun's agent hosts the store there (its default). Where
     rank 0's worker hosts it, the port closes as soon as rank 0 has ended (the suite's
     launcher works so): then nothing is stopped, and the restarts go on."""
-    from common.errors import launcher_stuck
-    from warm import free_port
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))  # nothing listens there
