@@ -27,10 +27,10 @@ from tqdm import tqdm
 # Runnable from the repo root or from inside this folder, installed or not.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common.cli import DEFAULT_SAVE_DIR, DTYPES, Parser, check_device, check_run_folder, one_of, \
-    positive_int, seed_value  # noqa: E402
+from common.cli import DEFAULT_SAVE_DIR, DTYPES, Parser, check_device, check_launch_one, check_run_folder, \
+    one_of, positive_int, seed_value  # noqa: E402
 from common.data import show_progress  # noqa: E402
-from common.errors import UsageError, run_main  # noqa: E402
+from common.errors import MODEL_OOM_ADVICE, UsageError, run_main  # noqa: E402
 from common.jsonfiles import write_json  # noqa: E402
 from common.model import PRESETS, LlamaForCausalLM, flops_per_token, get_config, non_matmul_params, \
     num_parameters, shares_kv_heads  # noqa: E402
@@ -64,9 +64,11 @@ def parse_args(argv=None):
                    help="auto = bf16 autocast on CUDA, fp32 on CPU; bf16 = bf16 autocast")
     p.add_argument("--save-dir", default=str(DEFAULT_SAVE_DIR), help="parent of the run folder")
     p.add_argument("--experiment-name", default=None, help=f"run folder name (default: {NAME}-<timestamp>)")
-    p.set_defaults(deterministic=False)  # chapter 01's setup() reads it: no flag for a memory count
+    # chapter 01's setup() reads deterministic: no flag for a memory count
+    p.set_defaults(deterministic=False, chapter="01-single-gpu")
 
     def check(args):
+        check_launch_one(args)  # one process: under torchrun each rank would claim the run folder
         max_pos = PRESETS[args.model_preset]["max_position_embeddings"]
         if args.seq_length > max_pos:
             raise UsageError(f"--seq-length {args.seq_length} exceeds the {args.model_preset!r} "
@@ -368,4 +370,4 @@ def main():
 
 
 if __name__ == "__main__":
-    run_main(main)
+    run_main(main, MODEL_OOM_ADVICE)

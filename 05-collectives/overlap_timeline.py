@@ -61,6 +61,15 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def mode_notes(args) -> list[str]:
+    """The picture's legend lines for the two DDP modes, which differ only in their buckets."""
+    notes = {"ddp": f"ddp: torch's DDP with bucket_cap_mb={args.bucket_mb:g} (--bucket-mb): every bucket up to "
+                    f"{args.bucket_mb:g} MiB, the first too",
+             "ch03-ddp": "ch03-ddp: torch's DDP as chapter 03 wraps it (no bucket_cap_mb): DDP's default buckets, "
+                         "a first one of only 1 MiB (reduced while backward goes on), then 25 MiB"}
+    return [notes[m] for m in args.modes if m in notes]
+
+
 def build(mode, args, config, demo, autocast):
     """One mode's model and optimizer, with the `step(x, y)` of the script that teaches it."""
     if mode in ("naive", "bucketed", "overlap", "ddp"):
@@ -140,7 +149,7 @@ def report(args, demo, steps, run_dir):
         "environment": environment_info()})
     timeline.plot(steps, run_dir / "overlap_timeline.png",
                   f"one step per mode, {demo.world} ranks, {demo.backend}, {device_name(demo.device)}, "
-                  f"{args.model_preset}, batch {args.batch_size} x {args.seq_length} per rank")
+                  f"{args.model_preset}, batch {args.batch_size} x {args.seq_length} per rank", mode_notes(args))
     print(f"outputs in {run_dir} (trace-<mode>.json: open in https://ui.perfetto.dev)", flush=True)
 
 

@@ -29,9 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 
-from .cli import Parser, check_device, non_negative_int, positive_int
+from .cli import Parser, check_device, check_writable_folder, non_negative_int, positive_int
 from .data import DEFAULT_VOCAB_SIZE
 from .environment import device_name
+from .errors import UsageError
 from .jsonfiles import write_json
 from .model import PRESETS, LlamaForCausalLM, attention_flops_per_token, flops_per_token, get_config, num_parameters
 from .peak_flops import Peak, device_peak, implausible_mfu_note, sync
@@ -195,13 +196,20 @@ def main(argv=None):
     p.add_argument("--profile", type=non_negative_int, default=0, metavar="STEPS",
                    help="then profile this many training steps per mode: where the time went "
                         "(matmul, attention, optimizer, other, idle) and the busiest kernels")
-    p.checks.append(lambda args: check_device(args.device))
+
+    def check(args):
+        check_device(args.device)
+        if args.json is not None:  # refused now, not after the whole benchmark has run
+            if args.json.is_dir():
+                raise UsageError(f"--json {str(args.json)!r} is a folder; name a file in it")
+            if not args.json.parent.is_dir():
+                raise UsageError(f"--json {str(args.json)!r}: its folder does not exist")
+            check_writable_folder(args.json.parent, "--json")
+    p.checks.append(check)
     args = p.parse_args(argv)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(args.device)
-    if args.json is not None and not args.json.parent.is_dir():
-        p.error(f"--json {str(args.json)!r}: its folder does not exist")
 
     dtype = "bf16" if device.type == "cuda" else "fp32"
     peak = device_peak(device, dtype)

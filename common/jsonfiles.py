@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import suppress
 from pathlib import Path
 
 
@@ -71,5 +72,6 @@ def _write_whole(path: Path, text: str):
     try:
         tmp.write_text(text)
         os.replace(tmp, path)
-    finally:  # a full disk must not leave the half-written copy behind
-        tmp.unlink(missing_ok=True)
+    finally:  # a full disk must not leave the half-written copy behind; a cleanup that
+        with suppress(OSError):  # fails too (a read-only place) must not hide the first error
+            tmp.unlink(missing_ok=True)

@@ -4,7 +4,7 @@ cluster, per way of distributing the training state, before renting the cluster.
     python -m common.plan --model-preset large --seq-length 2048 --gpus-per-node 8
     python -m common.plan --layers 32 --hidden-size 4096 --heads 32 --intermediate-size 11008 \\
         --vocab-size 32000 --seq-length 4096 --gpus-per-node 8 --nodes 2 --precision bf16
-    python -m common.plan --params 7e9 --gpus-per-node 8      # no shape: no activations
+    python -m common.plan --params 7e9 --gpus-per-node 8      # no shape: no units, no activations
 
 Modes as chapter 05 names them: ddp (everything on every rank), zero1 (as chapter 05
 builds it), zero2 (the textbook stage; chapter 05 does not build it), zero3 and fsdp2
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import math
 import re
+from collections import Counter
 from dataclasses import dataclass
 
 from .cli import Parser, comma_list, one_of, positive_float, positive_int
@@ -34,7 +35,8 @@ from .tables import markdown_table
 
 MODES = ("ddp", "zero1", "zero2", "zero3", "fsdp2")
 STEP_COUNTER = 4  # bytes: AdamW's `step`, one fp32 scalar per tensor it updates
-MAX_RANKS = 1_000_000  # ten times the largest training clusters; a plan for 1 M ranks takes seconds
+MAX_RANKS = 1_000_000  # ten times the largest training clusters
+MAX_LAYERS = 10_000  # a hundred times the deepest models; the plan lists every layer's tensors
 CHECKPOINT_PER_PARAM = 12  # fp32 weights (or master copy) and AdamW's two moments
 TOKEN_ID, FP32 = 8, 4  # int64 token ids; fp32
 
@@ -106,11 +108,12 @@ def shard(numel: int, world: int) -> int:
     return -(-numel // world)
 
 
-def slice_pieces(decayed: int, size: int, rank: int) -> int:
-    """AdamW tensors on `rank` for a flat slice of `size` (chapter 05's FlatShard puts the
-    `decayed` matrix elements first: at most one decayed and one undecayed piece)."""
-    cut = min(max(decayed - rank * size, 0), size)
-    return (cut > 0) + (size - cut > 0)
+def most_pieces(buffers: list[tuple[int, int]]) -> int:
+    """AdamW tensors on the worst rank, over flat buffers of (decayed, size per rank):
+    chapter 05's FlatShard puts the decayed matrix elements first, so every rank holds
+    one piece of each buffer, and the rank whose slice the cut falls inside holds two."""
+    cuts = Counter(d // size for d, size in buffers if d % size)
+    return len(buffers) + max(cuts.values(), default=0)
 
 
 def decayed(unit) -> int:
@@ -130,8 +133,8 @@ def state_bytes(model: Model, mode: str, world: int, p: Precision) -> dict:
         return {"params": p.param * n, "grads": p.grad * n,
                 "optimizer": opt * n + STEP_COUNTER * model.num_tensors}
     if mode in ("zero1", "zero2"):  # one flat buffer over every parameter
-        s, d = shard(n, world), sum(decayed(u) for u in model.units)
-        pieces = max(slice_pieces(d, s, r) for r in range(world))
+        s = shard(n, world)
+        pieces = most_pieces([(sum(decayed(u) for u in model.units), s)])
         # chapter 05's zero1 keeps the full gradient buffer and the slice reduce-scatter
         # fills; ZeRO-2 reduce-scatters bucket by bucket and keeps the slice only
         grads = s * world + s if mode == "zero1" else s
@@ -139,8 +142,7 @@ def state_bytes(model: Model, mode: str, world: int, p: Precision) -> dict:
                 "optimizer": opt * s + STEP_COUNTER * pieces}
     if mode == "zero3":  # one flat buffer per unit
         sizes = [shard(sum(math.prod(s) for s in u), world) for u in model.units]
-        pieces = max(sum(slice_pieces(decayed(u), s, r) for u, s in zip(model.units, sizes))
-                     for r in range(world))
+        pieces = most_pieces([(decayed(u), s) for u, s in zip(model.units, sizes)])
         return {"params": p.param * sum(sizes), "grads": p.grad * sum(sizes),
                 "optimizer": opt * sum(sizes) + STEP_COUNTER * pieces}
     if mode == "fsdp2":  # every tensor on its own, dim 0 split
@@ -310,6 +312,8 @@ def parse_args(argv=None):
                    help="write and read bandwidth of each node to the checkpoint's storage, GB/s")
 
     def check(args):
+        if (args.layers or 0) > MAX_LAYERS:
+            raise UsageError(f"--layers {args.layers:,}: the plan handles at most {MAX_LAYERS:,}")
         shape = [f for f in SHAPE_FLAGS if getattr(args, f) is not None]
         if args.params is not None and (shape or args.model_preset):
             raise UsageError("--params stands for the whole model: give it alone, or a preset or a "
@@ -319,7 +323,7 @@ def parse_args(argv=None):
             raise UsageError("a shape without --model-preset needs " +
                              ", ".join("--" + f.replace("_", "-") for f in missing))
         args.world = args.gpus_per_node * args.nodes
-        if args.world > MAX_RANKS:  # the plan counts each rank's shards: a loop per rank
+        if args.world > MAX_RANKS:
             raise UsageError(f"{args.world:,} ranks ({args.nodes} node(s) x {args.gpus_per_node}): "
                              f"the plan handles at most {MAX_RANKS:,}")
         if args.global_batch_size is not None:
@@ -370,7 +374,7 @@ def plan(args) -> str:
     """The plan as text: a header and three Markdown tables."""
     model, p, world = args.model, PRECISIONS[args.precision], args.world
     c = model.config
-    shape = ("shape unknown (--params): no activations, no padding; fsdp2 counted as zero3" if c is None else
+    shape = ("shape unknown (--params): no units, no activations, no padding; fsdp2 counted as zero3" if c is None else
              f"{c.num_hidden_layers} layers, hidden {c.hidden_size}, {c.num_attention_heads} heads "
              f"({c.num_key_value_heads} KV), MLP {c.intermediate_size}, vocab {c.vocab_size}")
     lines = [f"model: {count(model.num_params)} parameters; {shape}",
@@ -385,13 +389,15 @@ def plan(args) -> str:
         held = state_bytes(model, mode, world, p)
         state = sum(held.values())
         gathered = gathered_unit_bytes(model, mode, world, p)
-        if c is None:
+        if c is None:  # no shape, no units: the whole model would count as one
             acts = ("n/a", "n/a", "n/a", "n/a")
+            unit = "n/a" if gathered else ""
         else:
             a = [activation_bytes(c, args.batch_size, args.seq_length, p, ckpt) for ckpt in (False, True)]
             acts = (*map(size, a), size(state + gathered + a[0]), size(state + gathered + a[1]))
+            unit = size(gathered) if gathered else ""
         rows.append((mode, size(held["params"]), size(held["grads"]), size(held["optimizer"]), size(state),
-                     size(gathered) if gathered else "", *acts))
+                     unit, *acts))
     lines.append(markdown_table(("mode", "params", "grads", "optimizer", "state", "one unit gathered",
                                  "activations", "act. (ckpt)", "total", "total (ckpt)"),
                                 rows, right=range(1, 10)))

@@ -20,9 +20,10 @@ than one device. The threads and machine-load columns say whether a CPU run shar
 cores (load marked `!` when it went above the machine's core count).
 
 A run whose figures cannot be read (a summary that is not JSON, incomplete, nested too
-deep, or with a non-finite tokens/s or step time) is left out with one warning line; a
-metrics line that is not JSON is skipped. An --out that cannot be written is refused
-before any work.
+deep, or with a non-finite tokens/s or step time) is left out with one warning line, and
+so is a summary.json that is not a regular file (a FIFO is never opened); a metrics line
+that is not JSON is skipped. An --out that cannot be written, or that holds a report.md
+this command did not write, is refused before any work.
 
 Archived runs (chapter 04's --fresh moves an earlier run into `<run>/archive-<time>/`)
 are left out by default, with one line saying how many; `--include-archived` adds them,
@@ -50,6 +51,7 @@ REQUIRED_KEYS = ("chapter", "experiment_name", "launcher", "world_size", "num_de
                  "device_name", "dtype", "tokens_per_s", "tokens_per_s_per_device",
                  "step_time_s", "peak_memory_mb")
 PLOTS = ("tokens_per_s.png", "step_time.png", "loss.png")
+TITLE = "# Run comparison"  # report.md's first line: how a report.md this command wrote is known
 ARCHIVE_PREFIX = "archive-"   # common.runfolder.archive_run's folder names
 CURVES_PER_PANEL = 8
 
@@ -109,6 +111,8 @@ def load_runs(summary_paths) -> list[Run]:
     runs = []
     for path in map(Path, summary_paths):
         try:
+            if not path.is_file():  # a FIFO, socket or device: reading it could block forever
+                raise ValueError("not a regular file, not opened")
             summary = json.loads(path.read_text())
             if not isinstance(summary, dict):
                 raise ValueError("not a JSON object")
@@ -481,9 +485,23 @@ def write_report(runs: list[Run], out: Path, sections=()) -> tuple[str, list[Pat
         written.append(loss)
     images = "\n".join(f"![{p.stem}]({p.name})" for p in written)
     md = out / "report.md"
-    body = "\n\n".join(filter(None, ["# Run comparison", text, *sections, images])) + "\n"
+    body = "\n\n".join(filter(None, [TITLE, text, *sections, images])) + "\n"
     atomic_write(md, lambda f: f.write(body.encode()))
     return text, [md, *written]
+
+
+def check_not_theirs(md: Path) -> None:
+    """A report.md in the output folder is replaced only if this command wrote it (its
+    first line is TITLE): a user's own notes of that name are not. Raises UsageError."""
+    if not (md.exists() or md.is_symlink()):
+        return
+    first = b""
+    if md.is_file():  # only a regular file is read: a FIFO could block
+        with open(md, "rb") as f:
+            first = f.readline(len(TITLE) + 2)
+    if first.rstrip(b"\r\n") != TITLE.encode():
+        raise UsageError(f"{str(md)!r} exists and was not written by this command (its first line "
+                         f"is not {TITLE!r}); move it, or choose another --out")
 
 
 def main(argv=None) -> int:
@@ -509,6 +527,7 @@ def main(argv=None) -> int:
         if out.exists() and not out.is_dir():
             raise UsageError(f"--out {str(out)!r} exists and is not a folder")
         check_writable_folder(out, "--out")
+        check_not_theirs(out / "report.md")
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -203,17 +203,34 @@ def merge_traces(traces: list[dict]) -> dict:
     return {"traceEvents": merged, "displayTimeUnit": "ms"}
 
 
-def plot(modes: dict[str, list[RankStep]], path, title: str) -> None:
+OVERLAP_MEANS = ("%: the share of a mode's collective time (every kind listed, all-gathers too) during which "
+                 "the same rank's backward was computing;\n    a collective the rank waits for overlaps "
+                 "nothing, even inside the backward bar")
+
+
+def panel_title(mode: str, ranks: list[RankStep]) -> str:
+    """A mode's figures, naming the collectives its percentage counts (as the trace names
+    them: gloo's reduce-scatter is an all_reduce)."""
+    f = overlap(ranks)
+    kinds = ", ".join(sorted({name for r in ranks for name, _, _ in r.collectives})) or "none"
+    return (f"{mode}: {f['overlap_fraction']:.0%} of {f['collective_ms']:,.1f} ms of collectives ({kinds}) "
+            f"ran while backward computed; step {f['step_ms']:,.1f} ms")
+
+
+def plot(modes: dict[str, list[RankStep]], path, title: str, notes=()) -> None:
     """One panel per mode, two lanes per rank: the phases of its main thread, and its
-    collectives (darker where backward was computing meanwhile)."""
+    collectives (darker where backward was computing meanwhile). Below, in the legend,
+    what the percentage counts and `notes` (a line each)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
     world = max(len(r) for r in modes.values())
+    lines = [OVERLAP_MEANS, *notes]  # text only, under the panels
+    below = 0.1 + 0.14 * sum(line.count("\n") + 1 for line in lines)  # inches they take
     fig, axes = plt.subplots(len(modes), 1, sharex=True, squeeze=False,
-                             figsize=(11, 0.9 + (0.45 + 0.42 * world) * len(modes)))
+                             figsize=(11, 0.9 + below + (0.45 + 0.42 * world) * len(modes)))
     for ax, (mode, ranks) in zip(axes[:, 0], modes.items()):
         labels = []
         for r in ranks:
@@ -227,17 +244,17 @@ def plot(modes: dict[str, list[RankStep]], path, title: str) -> None:
         ys, names = zip(*sorted(labels))
         ax.set_yticks(ys, names, fontsize=7)
         ax.set_ylim(0, 2 * world)
-        f = overlap(ranks)
-        ax.set_title(f"{mode}: {f['overlap_fraction']:.0%} of {f['collective_ms']:,.1f} ms of collectives "
-                     f"ran while backward computed; step {f['step_ms']:,.1f} ms", fontsize=8, loc="left")
+        ax.set_title(panel_title(mode, ranks), fontsize=8, loc="left")
     axes[-1, 0].set_xlabel("ms since the step began (each rank's own clock, after a barrier)")
     handles = [Patch(color=c, label=n) for n, c in PHASE_COLORS.items()]
     handles += [Patch(color="tab:red", alpha=0.35, label="collective"),
                 Patch(color="darkred", label="collective during backward compute")]
-    top = 1 - 0.55 / fig.get_figheight()  # room for the title and the legend
+    height = fig.get_figheight()
     fig.suptitle(title, fontsize=9, x=0.01, y=0.995, ha="left")
-    fig.legend(handles=handles, loc="upper left", bbox_to_anchor=(0.01, 1 - 0.25 / fig.get_figheight()),
+    fig.legend(handles=handles, loc="upper left", bbox_to_anchor=(0.01, 1 - 0.25 / height),
                ncol=6, fontsize=7, frameon=False)
-    fig.tight_layout(rect=(0, 0, 1, top))
+    fig.legend(handles=[Patch(color="none", label=line) for line in lines], loc="lower left",
+               bbox_to_anchor=(0.01, 0.0), fontsize=7, frameon=False, handlelength=0, handletextpad=0)
+    fig.tight_layout(rect=(0, below / height, 1, 1 - 0.55 / height))  # room for the legends
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -306,9 +306,18 @@ def run_step(step: Step, log_path: Path, quiet: bool) -> int:
         return proc.wait()
 
 
+def log_lines(path: Path) -> list[str]:
+    return path.read_bytes().decode(errors="replace").replace("\r", "\n").splitlines()
+
+
 def log_tail(path: Path, lines: int = 25) -> str:
-    text = path.read_bytes().decode(errors="replace").replace("\r", "\n")
-    return "\n".join(text.splitlines()[-lines:])
+    return "\n".join(log_lines(path)[-lines:])
+
+
+def chapter_error(path: Path) -> str | None:
+    """The first `error: ...` line a chapter printed (rank 0's, under torchrun): the cause,
+    which the launcher's own report after it does not say."""
+    return next((line for line in log_lines(path) if line.startswith("error: ")), None)
 
 
 def bench_table(obj) -> str | None:
@@ -401,10 +410,32 @@ CHAPTER_05_TABLES = (("bench_collectives.json", "05 collective benchmark", bench
                       overlap_table))
 
 
-def explanations(args) -> list[str]:
-    """What the comparison needs said: the batch each chapter ran, and why CPU processes
-    do not speed up."""
+def scaling(runs: list[report.Run]) -> str | None:
+    """The scaling efficiency of each run that measured one (its tokens/s per process over
+    chapter 01's run), or n/a and why when any run of the comparison shared a busy
+    machine: load slows a one-process run and a two-process run unequally (a one-thread
+    process far more), so their ratio measures the load, not the scaling."""
+    scaled = [r for r in runs if isinstance(r.summary.get("scaling_efficiency"), (int, float))]
+    if not scaled:
+        return None
+    busy = [r for r in runs if report.busy(r.summary)]
+    if busy:
+        return ("Scaling efficiency: n/a. The machine was busy during " +
+                ", ".join(f"{r.name} (load average up to {r.summary['load_avg_max']:.1f} on "
+                          f"{r.summary['cpu_cores']} cores)" for r in busy) +
+                ": a busy machine slows runs of different process counts unequally, so their "
+                "ratio is no scaling figure; rerun on an idle machine.")
+    return ("Scaling efficiency (tokens/s per process over chapter 01's tokens/s): " +
+            ", ".join(f"{r.name} {100 * r.summary['scaling_efficiency']:.1f}%" for r in scaled) + ".")
+
+
+def explanations(args, runs) -> list[str]:
+    """What the comparison needs said: the scaling efficiency, the batch each chapter ran,
+    and why CPU processes do not speed up."""
     s, said = args.sizes, []
+    efficiency = scaling(runs)
+    if efficiency:
+        said.append(efficiency)
     if any(c[:2] in ("03", "04") for c in args.chapter_list):
         said.append(f"Batch sizes: every process ran a batch of {s.batch_size} x {s.seq_length} "
                     f"tokens. 01 and 02 are one process (02's DataParallel splits its batch over "
@@ -426,7 +457,7 @@ def print_summary(args, steps_run: list[Step], started: float):
     out = args.out_dir
     print(f"\n=== tour finished in {_clock(time.perf_counter() - started)}: comparison ===\n", flush=True)
     runs = report.load_runs(report.find_summaries([out]))
-    said = explanations(args) if runs else []
+    said = explanations(args, runs) if runs else []
     tables = []  # (title, json file, table)
     for name, title, render in CHAPTER_05_TABLES:
         for path in sorted(out.rglob(name)):
@@ -520,8 +551,10 @@ def main(argv=None) -> int:
             if args.quiet:
                 print("FAILED", flush=True)
                 print(log_tail(log_path), file=sys.stderr)
-            print(f"\nerror: chapter {st.chapter} failed with exit status {status} after {took}\n"
-                  f"  command: {st.display}\n  full output: {_rel(log_path)}", file=sys.stderr)
+            cause = chapter_error(log_path)
+            print(f"\nerror: chapter {st.chapter} failed with exit status {status} after {took}"
+                  + (f"; it said:\n  {cause}" if cause else "") +
+                  f"\n  command: {st.display}\n  full output: {_rel(log_path)}", file=sys.stderr)
             return 1
         done.append(st)
         if args.quiet:

@@ -6,11 +6,15 @@ the benchmark's, the model and the loss as one graph.)"""
 
 from __future__ import annotations
 
+import errno
 import json
+from pathlib import Path
 
+import pytest
 import torch
 
 from common.bench_model import loss_of, main, make_optimizer, train_step
+from common.jsonfiles import write_json
 from common.model import LlamaForCausalLM, get_config
 
 VOCAB = 97
@@ -56,3 +60,40 @@ def test_benchmark_reports_mfu_against_the_measured_peak(capsys, tmp_path):
     assert [(r["mode"], r["step"]) for r in saved["rows"]] == [(r[3], r[4]) for r in rows]
     for row, shown in zip(saved["rows"], rows):
         assert f"{100 * row['mfu']:.1f}%" == shown[8] and row["peak_memory_mb"] is None
+
+
+def test_a_json_path_that_cannot_be_written_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    """--json naming a folder, or a file in a read-only place: one line and exit 2 before
+    the benchmark runs (it used to fail only after it, with two tracebacks)."""
+    def refused(json_path) -> str:
+        with pytest.raises(SystemExit) as stop:
+            main(["--presets", "tiny", "--seq-length", "32", "--batch-size", "2", "--iters", "1",
+                  "--warmup", "0", "--no-compile", "--device", "cpu", "--json", str(json_path)])
+        out, err = capsys.readouterr()
+        assert stop.value.code == 2 and out == "", out  # nothing measured
+        assert len(err.splitlines()) == 1, err
+        return err.strip()
+
+    assert refused(tmp_path) == f"error: --json {str(tmp_path)!r} is a folder; name a file in it"
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+    monkeypatch.setattr("common.cli.tempfile.mkstemp", read_only)
+    line = refused(tmp_path / "bench.json")
+    assert line.startswith("error: --json ") and line.endswith("(Read-only file system)"), line
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_failed_write_is_not_hidden_by_its_cleanup(tmp_path, monkeypatch):
+    """When writing a JSON file fails and removing the half-written copy fails too (a
+    read-only place), the error raised is the write's, alone."""
+    def no_space(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def read_only(self, *args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+    monkeypatch.setattr(Path, "write_text", no_space)
+    monkeypatch.setattr(Path, "unlink", read_only)
+    with pytest.raises(OSError) as raised:
+        write_json(tmp_path / "bench.json", {"rows": []})
+    assert raised.value.errno == errno.ENOSPC and raised.value.__context__ is None

@@ -113,3 +113,23 @@ def test_a_second_job_with_the_same_name_is_refused_not_overwriting(tmp_path):
         assert len(lines) == 1 and lines[0].startswith(
             f"error: run folder '{tmp_path / 'same'}' is in use by pid {holder.pid} on "), lines
         assert not (tmp_path / "same" / "memory_anatomy.json").exists()
+
+
+def test_under_torchrun_it_says_to_launch_it_with_python(tmp_path, capsys, monkeypatch):
+    """One process measures one step: under torchrun (WORLD_SIZE 2) the first check says
+    so, before the run folder that every rank would claim (which used to be the error:
+    the folder 'is in use' by the other rank)."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    line = refused(capsys, anatomy_script().parse_args, [*SMALL, "--save-dir", tmp_path / "x"])
+    assert line.startswith("error: 01-single-gpu trains in one process; launch it with `python 01-single-gpu/")
+    assert not (tmp_path / "x").exists()
+
+
+def test_out_of_memory_names_this_script_s_flags(tmp_path):
+    """A batch that cannot be allocated: one line, exit status 1, naming flags this script
+    has (not chapter 01's --grad-accum), and no run folder left."""
+    proc = run(python_cmd(SCRIPT, *SMALL[:4], "--batch-size", 10**13, "--save-dir", tmp_path), check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: out of memory ("), lines
+    assert lines[0].endswith("): try a smaller --batch-size, --seq-length or --model-preset"), lines
+    assert not any(tmp_path.iterdir())

@@ -143,3 +143,33 @@ def test_bad_modes_exit_2(monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         module.parse_args(["--modes", "naive,turbo"])
     assert e.value.code == 2 and "turbo" in capsys.readouterr().err
+
+
+def test_the_picture_says_what_its_percentages_count(tmp_path, monkeypatch):
+    """Each panel's title names the collectives its percentage counts (a ZeRO-3 step
+    waits for its all-gathers and reduce-scatters inside the backward bar: 0%); the
+    legend says what the percentage is and how ddp and ch03-ddp differ."""
+    import matplotlib.figure
+    from argparse import Namespace
+
+    from common.distributed import Demo
+    drawn = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: drawn.append(fig))
+    phases = [("forward", 0.0, 3.0), ("backward", 3.0, 8.0), ("optimizer", 8.0, 9.0)]
+    zero3 = timeline.RankStep(0, 9.0, phases, [("all_gather", 3.0, 4.0), ("all_reduce", 5.0, 6.0)],
+                              {"backward": [(4.0, 5.0), (6.0, 8.0)]})
+    ddp = timeline.RankStep(0, 9.0, phases, [("all_reduce", 4.0, 6.0)], {"backward": [(3.0, 8.0)]})
+    args = Namespace(modes=["zero3", "ddp", "ch03-ddp"], bucket_mb=25.0, model_preset="tiny",
+                     batch_size=2, seq_length=32)
+    module = load_script(SCRIPT)
+    module.report(args, Demo(0, 1, "cpu", "gloo"), {"zero3": [zero3], "ddp": [ddp], "ch03-ddp": [ddp]},
+                  tmp_path)
+    [fig] = drawn
+    titles = [ax.get_title(loc="left") for ax in fig.axes]
+    assert titles[0].startswith("zero3: 0% of 2.0 ms of collectives (all_gather, all_reduce) ran while "
+                                "backward computed"), titles
+    assert titles[2].startswith("ch03-ddp: 100% of 2.0 ms of collectives (all_reduce)"), titles
+    legend = " ".join(t.get_text() for legend in fig.legends for t in legend.get_texts())
+    assert "every kind listed, all-gathers too" in legend and "a collective the rank waits for" in legend
+    assert "ddp: torch's DDP with bucket_cap_mb=25 (--bucket-mb)" in legend
+    assert "ch03-ddp: torch's DDP as chapter 03 wraps it (no bucket_cap_mb)" in legend and "1 MiB" in legend

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from conftest import REPO
+from conftest import REPO, run
 from common import plan, sharding
 from common.model import LlamaForCausalLM, get_config, num_parameters
 from common.training import build_optimizer
@@ -167,6 +167,7 @@ def test_the_command_prints_the_three_tables(capsys):
     (["--gpus-per-node", "8", "--nodes", "3", "--global-batch-size", "36"], "not divisible by the 24 ranks"),
     (["--batch-size", "2", "--global-batch-size", "16"], "not both"),
     (["--gpus-per-node", "100000000", "--nodes", "100000000"], "the plan handles at most 1,000,000"),
+    (["--model-preset", "small", "--layers", "10001"], "--layers 10,001: the plan handles at most 10,000"),
     (["--params", "7e9", "--model-preset", "large"], "--params stands for the whole model"),
     (["--layers", "32", "--hidden-size", "4096"], "needs --heads, --intermediate-size"),
     (["--model-preset", "tiny", "--heads", "5"], "not a valid model shape"),
@@ -178,6 +179,31 @@ def test_bad_input_exits_2_with_one_line(argv, message, capsys):
     lines = err.strip().splitlines()
     assert stop.value.code == 2 and out == "", err
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err
+
+
+def test_absurd_sizes_answer_at_once():
+    """A hundred million layers (every layer's tensors are listed) are refused with one
+    line; a million ranks of a 10,000-layer model are planned without a loop per rank.
+    Both used to run for hours (in a process of their own here, so that a regression
+    fails on the timeout instead of hanging the suite)."""
+    proc = run([sys.executable, "-m", "common.plan", "--model-preset", "small", "--layers", "100000000"],
+               timeout=120, check=False)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert proc.stderr.splitlines() == ["error: --layers 100,000,000: the plan handles at most 10,000"]
+    proc = run([sys.executable, "-m", "common.plan", "--model-preset", "small", "--layers", "10000",
+                "--gpus-per-node", "1000", "--nodes", "1000"], timeout=120)
+    assert "1000000 ranks (1000 x 1000 GPUs)" in proc.stdout
+    assert all(len(re.findall(rf"^\| {mode} ", proc.stdout, flags=re.M)) == 3 for mode in plan.MODES)
+
+
+def test_without_a_shape_no_unit_is_gathered(capsys):
+    """--params alone: no layers, so no unit to gather; the column says n/a, as the
+    activations do, not the whole model as one unit."""
+    out = run_plan(["--params", "7B", "--gpus-per-node", "8"], capsys)
+    for mode in ("zero3", "fsdp2"):
+        row = next(l for l in out.splitlines() if l.startswith(f"| {mode} "))
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[5] == "n/a" and cells[6] == "n/a", row  # one unit gathered; activations
 
 
 def test_the_chapter_05_readme_shows_the_commands_output(capsys, monkeypatch):

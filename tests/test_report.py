@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import struct
 import sys
@@ -429,3 +430,39 @@ def test_runs_without_speeds_by_design_are_left_out_with_a_note(runs_dir, tmp_pa
     notes = sorted(captured.err.splitlines())
     assert len(notes) == 2 and all(n.startswith("note: leaving out ") for n in notes), notes
     assert "(the run diverged at step 7)" in notes[0] and "(training ended in an earlier process)" in notes[1]
+
+
+def test_a_report_md_this_command_did_not_write_is_never_replaced(runs_dir, tmp_path, capsys):
+    """A user's own report.md, in --out or in the run folder that is the default --out:
+    one line, exit 2, before any work; the file and the folder are as they were. A
+    report.md the command wrote is replaced."""
+    mine = runs_dir / "a" / "01-single"
+    (mine / "report.md").write_text("my notes on this run\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "report.md").write_text("")  # an empty file is not a report either
+    for argv, md in (([str(mine)], mine / "report.md"), ([str(runs_dir), "--out", str(out)], out / "report.md")):
+        before = sorted(p.name for p in md.parent.iterdir())
+        assert report.main(argv) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.splitlines() == [
+            f"error: {str(md)!r} exists and was not written by this command (its first line is not "
+            f"'# Run comparison'); move it, or choose another --out"]
+        assert sorted(p.name for p in md.parent.iterdir()) == before
+    assert (mine / "report.md").read_text() == "my notes on this run\n"
+    ours = tmp_path / "ours"
+    assert report.main([str(runs_dir), "--out", str(ours)]) == 0
+    assert report.main([str(runs_dir / "a"), "--out", str(ours)]) == 0  # its own: replaced
+    assert len(table_rows((ours / "report.md").read_text())) == 2
+
+
+def test_a_fifo_named_summary_json_is_never_opened(runs_dir):
+    """Opening a FIFO blocks until someone writes into it: a summary.json that is not a
+    regular file is left out with one warning line, and the report of the others is
+    written (a process of its own, so that a regression fails on the timeout)."""
+    fifo = runs_dir / "c" / "pipe" / "summary.json"
+    fifo.parent.mkdir(parents=True)
+    os.mkfifo(fifo)
+    proc = run([sys.executable, "-m", "common.report", runs_dir, "--out", runs_dir / "r"], timeout=120)
+    assert len(table_rows(proc.stdout)) == 3
+    assert proc.stderr.splitlines() == [f"warning: skipping {fifo}: not a regular file, not opened"]

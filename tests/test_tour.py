@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from common import tour
+from common import report, tour
 from common.errors import UsageError
 from conftest import run, run_folder_held
 
@@ -239,6 +239,49 @@ def test_failing_chapter_stops_the_tour_and_says_where(tmp_path, monkeypatch, ca
     assert "about to fail" in (out / "02-data-parallel.log").read_text()
     assert not (out / "03-ddp.log").exists()
 
+
+
+def test_a_failing_chapter_s_own_error_line_is_shown(tmp_path, monkeypatch, capsys):
+    """Under torchrun the chapter's cause (its `error: ...` line) is followed by the
+    launcher's own traceback, which does not say it: the tour's failure names it."""
+    monkeypatch.setattr(tour, "build_plan", lambda args: [tour.Step(
+        "03-ddp", "03-ddp", [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             "--nproc-per-node=1", "03-ddp/train_llm.py", "--model-preset", "tiny",
+                             "--seq-length", "100000"], "torchrun ... 03-ddp/train_llm.py")])
+    out = tmp_path / "tour"
+    assert tour.main(["--chapters", "03", "--out", str(out)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith("error: chapter 03-ddp failed with exit status 1 after ") and \
+        err[0].endswith("; it said:"), err
+    assert err[1] == "  error: --seq-length 100000 exceeds the 'tiny' preset's max_position_embeddings=256"
+    assert "ChildFailedError" in (out / "03-ddp.log").read_text()  # torchrun's report came after it
+
+
+def scaling_runs(folder, load_01: float):
+    """A tour's chapter 01 run, on a machine under `load_01`, and its chapter 03 run, on an
+    idle one, with the scaling efficiency chapter 03 measured against it."""
+    from test_report import fake_run
+    phases = {"data": 0.01, "forward": 0.1, "backward": 0.2, "update": 0.05}
+    for chapter, world, extra in (("01-single-gpu", 1, {"load_avg_max": load_01}),
+                                  ("03-ddp", 2, {"load_avg_max": 1.0, "scaling_efficiency": 4.565})):
+        fake_run(folder / chapter, chapter, world=world, tokens=1024 * world, phases=phases,
+                 final_loss=2.5, losses=[3.0], extra={"cpu_cores": 2, **extra})
+    return report.load_runs(report.find_summaries([folder]))
+
+
+def test_a_scaling_efficiency_from_a_busy_machine_is_not_printed(tmp_path, capsys):
+    """One run of the comparison on a busy machine: the scaling efficiency is n/a, and
+    the lines say which run and why; with every run on an idle machine, the figure."""
+    args = tour.parse_args(["--out", str(tmp_path / "unused")], gpus=0)
+    args.out_dir = tmp_path / "busy"
+    scaling_runs(args.out_dir, load_01=9.0)
+    tour.print_summary(args, [], time.perf_counter())
+    printed = capsys.readouterr().out
+    assert "456.5%" not in printed and "456.5%" not in (args.out_dir / "report.md").read_text()
+    assert ("Scaling efficiency: n/a. The machine was busy during 01-single-gpu (load average up to "
+            "9.0 on 2 cores): a busy machine slows") in printed
+    assert tour.scaling(scaling_runs(tmp_path / "idle", load_01=1.5)) == (
+        "Scaling efficiency (tokens/s per process over chapter 01's tokens/s): 03-ddp 456.5%.")
 
 
 def test_the_terminal_gets_a_narrow_table_and_report_md_gets_everything(tmp_path, capsys):
