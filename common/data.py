@@ -4,7 +4,8 @@ Corpora (`--dataset-name`):
   stdlib            the Python standard library's own source files, one document per
                     file: real text that every machine with Python has, offline.
   a local path      a file, folder or glob of .txt / .md / .py / .jsonl files, read by
-                    `datasets`' local builders ("text" one document per file, "json").
+                    `datasets`' local builders ("text" one document per file, or per
+                    paragraph for a lone file; "json" one per line).
   a hub id          anything else, through `datasets.load_dataset` (optional subset and
                     text column), e.g. roneneldan/TinyStories.
 
@@ -23,6 +24,7 @@ import glob
 import hashlib
 import itertools
 import json
+import logging
 import os
 import re
 import shutil
@@ -48,6 +50,7 @@ SPECIAL_TOKENS = [PAD, BOT, EOT]
 DEFAULT_VOCAB_SIZE = 8192
 LOCAL_SUFFIXES = (".txt", ".md", ".py", ".jsonl")
 IGNORE_INDEX = -100  # targets the loss skips (padding)
+log = logging.getLogger(__name__)  # INFO reaches rank 0's log only (cli.setup_logging)
 
 
 class DataError(Exception):
@@ -169,31 +172,48 @@ def local_files(name: str) -> list[str]:
 
 def _local_corpus(name: str, text_column: str) -> Corpus:
     files = local_files(name)
+    # one document per file, like the stdlib corpus; but one text file alone is cut at its
+    # blank lines, so that the split (whole documents) can set some of it aside for validation
+    sample_by = "paragraph" if len(files) == 1 and not files[0].endswith(".jsonl") else "document"
     h = hashlib.sha256()
     for f in files:
         st = os.stat(f)
         h.update(f"{os.path.abspath(f)}:{st.st_size}:{st.st_mtime_ns}\n".encode())
-    return Corpus(name, f"local-{h.hexdigest()[:16]}",
-                  load=lambda: _checked(name, _read_local(name, files, text_column), text_column))
+    identity = f"local-{h.hexdigest()[:16]}" + ("-paragraphs" if sample_by == "paragraph" else "")
+    return Corpus(name, identity, load=lambda: _checked(
+        name, _read_local(name, files, text_column, sample_by), text_column))
 
 
-def _read_local(name: str, files: list[str], text_column: str):
+def _read_local(name: str, files: list[str], text_column: str, sample_by: str):
     import datasets
 
     try:
         # datasets' "Downloading data" bar copies local files (no network)
         with datasets_progress(), datasets_logs_muted():
             if not files[0].endswith(".jsonl"):
-                # one document per file, like the stdlib corpus
                 return datasets.load_dataset("text", data_files=files, split="train",
-                                             sample_by="document")
+                                             sample_by=sample_by)
             ds = datasets.load_dataset("json", data_files=files, split="train")
     except Exception as e:  # datasets' builders: not text, not JSON lines, ...
         cause = e.__cause__ or e
         first = str(cause).strip().splitlines()[0][:160] if str(cause).strip() else ""
-        raise DataError(f"could not read {name!r} as text or JSON lines "
-                        f"({type(cause).__name__}: {first})") from None
+        raise DataError(f"could not read {_first_unreadable(files) or name!r} as text or JSON "
+                        f"lines ({type(cause).__name__}: {first})") from None
     return _text_column(name, ds, text_column)
+
+
+def _first_unreadable(files: list[str]) -> str | None:
+    """The first of `files` that is not UTF-8 text (for .jsonl: a JSON value a line), to
+    name in the error (datasets' own errors name no file)."""
+    for f in files:
+        try:
+            with open(f, encoding="utf-8") as text:
+                for line in text:
+                    if f.endswith(".jsonl") and line.strip():
+                        json.loads(line)
+        except (OSError, ValueError, RecursionError):  # UnicodeDecodeError, JSONDecodeError
+            return f
+    return None
 
 
 def _text_column(name: str, ds, text_column: str):
@@ -530,7 +550,7 @@ def token_files(corpus: Corpus, tok, cache_dir: Path | None = None, val_fraction
     if not (path / "meta.json").exists():
         write_token_files(path, lambda scratch: tokenize_corpus(corpus, tok, scratch), tok,
                           {"corpus": corpus.identity}, val_fraction, split_seed)
-    return _open_token_files(path)
+    return _open_token_files(path, tok.get_vocab_size())
 
 
 def write_token_files(path: Path, tokenize, tok, meta: dict, val_fraction: float = VAL_FRACTION,
@@ -599,17 +619,33 @@ def remove_stale_builds(cache_dir: Path) -> None:
             pass  # alive (another user's), or no pid at all
 
 
-def _open_token_files(path: Path) -> tuple[Documents, Documents]:
+def _largest_token(path: Path, dtype: np.dtype, count: int) -> int:
+    """The largest id in a token file, read through a memory-map per chunk: each is
+    unmapped after its chunk, so the pass leaves none of the file in this process."""
+    largest, chunk = 0, 1 << 26
+    for start in range(0, count, chunk):
+        part = np.memmap(path, dtype, mode="r", offset=start * dtype.itemsize,
+                         shape=(min(chunk, count - start),))
+        largest = max(largest, int(part.max()))
+    return largest
+
+
+def _open_token_files(path: Path, vocab_size: int) -> tuple[Documents, Documents]:
     """Both splits from a cache folder; a damaged one is a one-line DataError."""
     try:
         meta = json.loads((path / "meta.json").read_text())
         dtype = np.dtype(meta["dtype"])
         splits = [Documents.open(path / s, dtype, meta[s]["documents"], meta[s]["tokens"])
                   for s in SPLITS]
-        for docs in splits:  # every document ends with [EOT]: checks the last token read
+        for s, docs in zip(SPLITS, splits):  # every document ends with [EOT]: checks the last token read
             if len(docs) and docs.tokens[-1] != meta["eot_id"]:
                 raise ValueError("the last token is not [EOT]")
-    except (OSError, ValueError, KeyError, TypeError) as e:
+            # an id beyond the embedding would stop training with a traceback (on a GPU, a
+            # device-side assert); numpy's max runs at memory speed, so every run checks
+            largest = _largest_token(path / f"{s}.bin", dtype, len(docs.tokens))
+            if largest >= vocab_size:
+                raise ValueError(f"{s}.bin holds token id {largest}, outside the vocabulary of {vocab_size}")
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:  # JSON nested too deep
         raise DataError(f"the token cache {path} cannot be read ({type(e).__name__}: {e}); "
                         f"delete it (rm -r {path}) and run again to rebuild it") from None
     return splits[0], splits[1]
@@ -698,6 +734,10 @@ def build_datasets(dataset_name: str = "stdlib", seq_len: int = 256, packed: boo
         raise DataError(f"sequence length must be at least 1 (got {seq_len})")
     corpus = open_corpus(dataset_name, subset, text_column)  # its text read only if needed
     tok, tok_path = get_tokenizer(corpus, vocab_size, cache_dir, tokenizer_path)
+    if not tokenizer_path and tok.get_vocab_size() < vocab_size:
+        log.info("the tokenizer learned %d tokens, fewer than --vocab-size %d: this corpus is too small "
+                 "to fill it (BPE ran out of pairs to merge); the model's vocabulary is %d",
+                 tok.get_vocab_size(), vocab_size, tok.get_vocab_size())
     ids = special_ids(tok)
     train_docs, val_docs = token_files(corpus, tok, cache_dir, val_fraction)
     if packed:
@@ -728,6 +768,10 @@ def dataset_info(data: Data) -> dict:
             "form": "packed" if data.packed else "padded", "vocab_size": data.vocab_size,
             "tokenizer": data.tokenizer_path, "fingerprint": data.fingerprint}
     share = len(data.val) / max(1, len(data.train) + len(data.val))
+    if len(data.val) == 0:
+        why = ("the corpus is one document; a lone file is cut only at blank lines" if data.num_documents == 1
+               else "the documents set aside for it are shorter than one sample")
+        info["note"] = f"no validation samples ({why}): the validation loss will be n/a"
     if share > 3 * VAL_FRACTION:
         info["note"] = (f"validation holds {share:.0%} of the samples: the split sets whole documents "
                         f"aside ({VAL_FRACTION:.0%} of them, at least one), and this corpus has "

@@ -4,7 +4,9 @@ one-line DataError. Small temporary corpora and a 300-token vocabulary keep it f
 from __future__ import annotations
 
 import json
+import logging
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -21,7 +23,7 @@ from common.data import (BOT, EOT, IGNORE_INDEX, PAD, DataError, Documents, Pack
                          PaddedDataset, build_datasets, check_enough_samples, get_tokenizer,
                          load_corpus, load_tokenizer, open_corpus, special_ids, split_mask,
                          stdlib_files, token_cache_path, token_dtype, token_files)
-from conftest import REPO, free_port
+from conftest import REPO, TINY, free_port, python_cmd, run
 
 VOCAB = 300
 DOCS = {  # relative path -> text; one document per file, several lines each
@@ -92,9 +94,10 @@ def test_local_folder_one_document_per_file(corpus):
 
 
 def test_local_glob_and_single_file(corpus_dir):
-    assert load_corpus(str(corpus_dir / "*.md")).dataset["text"] == [DOCS["b.md"]]
+    # a lone file: one document per paragraph (see the test of validation on a lone file)
+    assert load_corpus(str(corpus_dir / "*.md")).dataset["text"] == DOCS["b.md"].split("\n\n")
     assert load_corpus(str(corpus_dir / "**" / "*.txt")).dataset.num_rows == 2
-    assert load_corpus(str(corpus_dir / "c.py")).dataset["text"] == [DOCS["c.py"]]
+    assert load_corpus(str(corpus_dir / "c.py")).dataset["text"] == DOCS["c.py"].split("\n\n")
 
 
 def test_local_jsonl_and_text_column(tmp_path):
@@ -625,3 +628,81 @@ def test_a_validation_split_of_few_documents_gets_a_note(tmp_path):
     assert info["note"].startswith("validation holds ") and "this corpus has 5" in info["note"]
     stdlib = data.dataset_info(data.build_datasets("stdlib", seq_len=64))
     assert "note" not in stdlib and stdlib["val_samples"] < 0.1 * stdlib["train_samples"]
+
+
+def stdlib_cache_copy(cache: Path, dest: Path) -> Path:
+    """A copy in `dest` of the session cache's stdlib tokenizer (default vocabulary) and
+    token folder, as the chapters' defaults read them; returns the copied token folder."""
+    corpus = open_corpus("stdlib")
+    tok, tok_path = get_tokenizer(corpus, cache_dir=cache)
+    dest.mkdir()
+    shutil.copy(tok_path, dest)
+    folder = token_cache_path(corpus, tok, cache)
+    shutil.copytree(folder, dest / folder.name)
+    return dest / folder.name
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_token_ids_beyond_the_vocabulary_stop_the_chapter_with_one_line(guide_cache, tmp_path, split):
+    """A token cache whose sizes and closing [EOT] are intact but whose ids are damaged
+    (every 50th is 60000, beyond the 8,192 tokens) ended in the embedding's IndexError, in
+    training or, for val.bin, after it: now chapter 01 stops before any work with the
+    cache's one line (exit status 2) naming the folder to delete."""
+    folder = stdlib_cache_copy(guide_cache, tmp_path / "cache")
+    tokens = np.memmap(folder / f"{split}.bin", dtype=np.uint16, mode="r+")
+    tokens[:-1:50] = 60000
+    tokens.flush()
+    del tokens
+    proc = run(python_cmd("01-single-gpu/train_llm.py", *TINY, "--max-steps", 2, "--cache-dir",
+                          tmp_path / "cache", "--save-dir", tmp_path / "out"), check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.splitlines() == [
+        f"error: the token cache {folder} cannot be read (ValueError: {split}.bin holds token id "
+        f"60000, outside the vocabulary of 8192); delete it (rm -r {folder}) and run again to rebuild it"]
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_meta_json_nested_too_deep_is_the_caches_one_line(guide_cache, tmp_path):
+    """json.loads of a meta.json nested 100,000 deep raises RecursionError: the same one
+    line as any other damage to the cache."""
+    folder = stdlib_cache_copy(guide_cache, tmp_path / "cache")
+    (folder / "meta.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(DataError, match=r"token cache .* cannot be read \(RecursionError: .*rm -r") as err:
+        build_datasets("stdlib", seq_len=64, cache_dir=tmp_path / "cache")
+    one_line(err)
+
+
+def test_a_lone_file_gets_validation_and_says_when_its_vocabulary_is_smaller(tmp_path, caplog):
+    """One .txt file is cut at its blank lines into documents, so that the split by
+    document gives validation its share; a file without blank lines stays one document and
+    the data line says why validation is empty. A corpus too small to fill --vocab-size
+    says so in one line."""
+    words = " ".join(f"w{i % 97}" for i in range(60))
+    book = tmp_path / "book.txt"
+    book.write_text("\n\n".join(f"Paragraph {i}: {words}" for i in range(40)) + "\n")
+    with caplog.at_level(logging.INFO, logger="common.data"):
+        d = build_datasets(str(book), seq_len=16, cache_dir=tmp_path / "cache")
+    info = data.dataset_info(d)
+    assert info["documents"] == 40 and info["val_samples"] > 0 and "note" not in info, info
+    assert d.vocab_size < 8192
+    said = [r.getMessage() for r in caplog.records if "--vocab-size" in r.getMessage()]
+    assert said == [f"the tokenizer learned {d.vocab_size} tokens, fewer than --vocab-size 8192: this "
+                    f"corpus is too small to fill it (BPE ran out of pairs to merge); the model's "
+                    f"vocabulary is {d.vocab_size}"]
+    book.write_text(f"{words}\n" * 40)  # no blank line: one document, nothing to set aside
+    info = data.dataset_info(build_datasets(str(book), 16, vocab_size=VOCAB, cache_dir=tmp_path / "cache"))
+    assert info["documents"] == 1 and info["val_samples"] == 0
+    assert info["note"].startswith("no validation samples (the corpus is one document"), info
+
+
+@pytest.mark.parametrize("suffix, good, bad", [(".txt", "fine\n", bytes(range(128, 256)) * 20),
+                                               (".jsonl", '{"text": "fine"}\n', b'{"text": "a"}\n{bad\n')],
+                         ids=["txt", "jsonl"])
+def test_an_unreadable_file_of_a_folder_is_named(tmp_path, suffix, good, bad):
+    """A folder with one file that is not text (or not JSON lines) among good ones: the
+    line names that file, not only the folder (datasets' own errors name none)."""
+    root = write_files(tmp_path / "corpus", {f"a{suffix}": good, f"c{suffix}": good})
+    (root / f"b{suffix}").write_bytes(bad)
+    with pytest.raises(DataError) as err:
+        load_corpus(str(root))
+    assert one_line(err).startswith(f"could not read {str(root / f'b{suffix}')!r} as text or JSON lines (")
