@@ -59,6 +59,10 @@ positive_float = _number(float, lambda v: v > 0, "a finite number > 0")
 non_negative_float = _number(float, lambda v: v >= 0, "a finite number >= 0")
 seconds = _number(float, lambda v: 0 < v <= 7 * 86400, "a number of seconds in (0, 604800]")
 seed_value = _number(int, lambda v: 0 <= v < 2**63, "a whole number in [0, 2**63)")
+# DataLoader workers: at most the cores this process may use, where torch's DataLoader
+# starts to warn; more only wait for a core (and 10,000 would fork for minutes)
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+worker_count = _number(int, lambda v: 0 <= v <= CORES, f"a whole number from 0 to {CORES}, the cores here")
 
 
 def existing_file(text: str) -> str:
@@ -192,8 +196,9 @@ def base_parser(chapter: str, description: str, *, distributed: bool = False,
     g.add_argument("--dtype", default="auto", type=one_of(*DTYPES),
                    help="auto = bf16 autocast on CUDA, fp32 on CPU; fp32 = no autocast (on CUDA, "
                         "matmuls in TF32); bf16 = bf16 autocast")
-    g.add_argument("--num-workers", type=non_negative_int, default=1,
-                   help="DataLoader worker processes")
+    g.add_argument("--num-workers", type=worker_count, default=1,
+                   help=f"DataLoader worker processes, at most the {CORES} cores this process may use: "
+                        f"each worker is a process, and more would only wait for a core")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile the model and loss (the first step compiles: slow)")
     g.add_argument("--activation-checkpointing", action="store_true",
