@@ -11,9 +11,14 @@ import itertools
 import json
 import os
 import random
+import signal
 import sys
 from contextlib import nullcontext
 from pathlib import Path
+
+# Ctrl-C while the imports below run (seconds) waits for run_main, which says it in one line
+if __name__ == "__main__" and hasattr(signal, "pthread_sigmask"):
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
 
 import torch
 import torch.nn.functional as F

@@ -258,25 +258,30 @@ def checkpoint_candidates(ckpt_dir: Path, log) -> list[Path]:
 
 
 def load_latest(candidates: list[Path], train_state: TrainState, settings: dict, *, rank: int, log,
-                roll_back: bool = False) -> Path | None:
+                roll_back: bool = False, pointer: Path | None = None) -> Path | None:
     """Load the first of `candidates` (rank 0's list: its disk holds them) that verifies
     and loads, on rank 0; then every rank receives it. Returns its path, or None if there
     were none. Per candidate, rank 0 checks every file against the manifest and the saved
     settings against `settings` (a mismatch stops the run: it is another run's checkpoint),
     then loads it with `weights_only=True`: tensors and plain containers, never code. A
     candidate that fails leaves model and optimizer as they were; the next one is tried.
-    `roll_back` (--resume-from): the chosen checkpoint becomes its folder's `latest`."""
-    path, error, mismatch = None, None, None
+    `roll_back` (--resume-from): the chosen checkpoint becomes its folder's `latest`.
+    `pointer`: the `latest` this run will write; a folder there (made by hand) stops the
+    run now, not at its first save, and is left as it is."""
+    path, error, refusal = None, None, None
     # Rank 0 reads the whole checkpoint twice (checksums, then the load) while the others
     # wait: disk time that grows with the model, so they wait on a group that --timeout
     # (meant for collectives) does not cut short. A collective: every rank creates it
     # (None without a process group).
     waiting = patient_group()
-    if rank == 0:
+    if rank == 0 and pointer and pointer.is_dir() and not pointer.is_symlink():
+        refusal = (f"{pointer} is a folder, where the file naming the last checkpoint belongs: nothing "
+                   f"was changed; move that folder out of {pointer.parent}, then run the same command")
+    elif rank == 0:
         for candidate in candidates:
             try:
-                mismatch = settings_mismatch(verify_manifest(candidate)["settings"], settings, candidate)
-                if mismatch:
+                refusal = settings_mismatch(verify_manifest(candidate)["settings"], settings, candidate)
+                if refusal:
                     break
                 # mmap: tensors are read from the file as they are copied, not all at once
                 state = torch.load(candidate / "state.pt", map_location="cpu", weights_only=True, mmap=True)
@@ -289,13 +294,13 @@ def load_latest(candidates: list[Path], train_state: TrainState, settings: dict,
                 log.warning("checkpoint %s cannot be used (%s); trying the one before", candidate, error)
     # every rank learns what rank 0 found (only rank 0 knows whether it had candidates, and
     # only its disk says where a link leads), and stops with it or receives the state
-    found = [str(path) if path else None, mismatch, error,
+    found = [str(path) if path else None, refusal, error,
              str(Path(candidates[0]).parent) if candidates else None, roll_back]
     if dist.is_initialized():
         dist.broadcast_object_list(found, src=0, group=waiting)
-    path, mismatch, error, tried, roll_back = Path(found[0]) if found[0] else None, *found[1:]
-    if mismatch:
-        fail(mismatch)
+    path, refusal, error, tried, roll_back = Path(found[0]) if found[0] else None, *found[1:]
+    if refusal:
+        fail(refusal)
     if tried and path is None:
         fail(f"no checkpoint in {tried} could be loaded (the last: {error}); "
              f"nothing was changed: move the broken ones away, or start over with --fresh")

@@ -10,10 +10,10 @@ stops alone leaves the others waiting in a collective. So:
   after the next step, when it has long arrived: no step waits on the other hosts for
   it, and all ranks still stop after the same step (one step later than a blocking
   vote would), save, and leave.
-- `data_workers_apart`: the DataLoader's worker processes leave the trainer's process
-  group. Ctrl-C and torchrun's stop signal a whole group; a worker left in it dies of
-  SIGTERM and takes its trainer down with it ("DataLoader worker is killed by signal"),
-  before the trainer can save.
+- `data_worker_ignores_stops`: the DataLoader's worker processes ignore both signals,
+  but their trainer's SIGTERM. SLURM signals every process of a job, Ctrl-C and torchrun
+  a whole process group; a worker that dies of the signal takes its trainer down with it
+  ("DataLoader worker is killed by signal"), before the trainer can save.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -33,20 +34,31 @@ from common.environment import end_with_parent
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-def data_workers_apart(worker_id: int):
-    """DataLoader(worker_init_fn=...): the worker moves into a process group of its own,
-    so signals meant for the trainer's group (Ctrl-C in a terminal, torchrun stopping its
-    workers, kill -- -PGID) reach the trainer alone. The worker still ends with its
-    trainer: the DataLoader stops it (by its pid), and a trainer that dies first (killed,
-    or gone at once after a peer stopped answering) takes it along at that moment (the
-    kernel's parent-death signal on Linux, where the chapters fork their workers: see
-    `worker_start_method`), not at the DataLoader's next check (every 5 s)."""
-    os.setpgid(0, 0)
+def data_worker_ignores_stops(worker_id: int):
+    """DataLoader(worker_init_fn=...): the worker ignores SIGINT and SIGTERM, however they
+    come (to its pid, as SLURM sends them, or to its trainer's process group: Ctrl-C,
+    torchrun); the trainer handles them. Only its trainer's own SIGTERM ends it, at once,
+    as torch's handler in the worker does (which lets any other SIGTERM kill it): the
+    DataLoader, and multiprocessing at the trainer's exit, end a worker so. The worker
+    also ends with its trainer: one that dies first (killed, or gone at once after a peer
+    stopped answering) takes it along at that moment (the kernel's parent-death signal
+    on Linux, where the chapters fork their workers: see `worker_start_method`), not at
+    the DataLoader's next check (every 5 s)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "sigwaitinfo"):  # a thread takes each SIGTERM, with its sender (Linux)
+        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])  # in the threads started later too
+        threading.Thread(target=_end_at_the_trainers_sigterm, daemon=True).start()
     trainer = multiprocessing.parent_process()
     if end_with_parent(signal.SIGKILL) and trainer is not None and not trainer.is_alive():
         # The trainer died before the request took hold. (The orphan's new parent is not
         # always init, pid 1: a desktop's systemd user manager adopts it, for one.)
         os._exit(0)
+
+
+def _end_at_the_trainers_sigterm():
+    while True:
+        if signal.sigwaitinfo([signal.SIGTERM]).si_pid == os.getppid():
+            os._exit(0)
 
 
 class StopRequest:

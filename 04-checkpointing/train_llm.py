@@ -14,10 +14,15 @@ import itertools
 import json
 import os
 import random
+import signal
 import sys
 from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
+
+# Ctrl-C while the imports below run (seconds) waits for run_main, which says it in one line
+if __name__ == "__main__" and hasattr(signal, "pthread_sigmask"):
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
 
 import torch
 import torch.distributed as dist
@@ -30,13 +35,13 @@ from torch.utils.data import DataLoader, DistributedSampler
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from checkpoint import (FORMAT_VERSION, ResumableSampler, TrainState, checkpoint_candidates,  # noqa: E402
                         load_latest, rebuild_ddp_buckets, save_checkpoint)
-from preemption import StopRequest, data_workers_apart  # noqa: E402
+from preemption import StopRequest, data_worker_ignores_stops  # noqa: E402
 from common.cli import base_parser, checkpoint_folder, non_negative_int, positive_int, setup_logging  # noqa: E402
 from common.checkpoint_folder import run_settings  # noqa: E402
 from common.data import IGNORE_INDEX, build_datasets, check_enough_samples, dataset_info, local_rank0_first, worker_start_method  # noqa: E402
 from common.distributed import DDP_NO_BUFFER_SYNC, backend_for, gc_and_destroy_process_group, init_process_group_for_restarts  # noqa: E402
 from common.environment import environment_info, exit_with_launcher, set_tf32, share_cpu_threads  # noqa: E402
-from common.errors import INTERRUPTED_RESUMABLE, run_main  # noqa: E402
+from common.errors import run_main  # noqa: E402
 from common.masks import build_attention_mask  # noqa: E402
 from common.model import LlamaForCausalLM, describe, flops_per_token, get_config, num_parameters  # noqa: E402
 from common.runfolder import archive_run, claim_run_folder, outputs_complete, save_weights  # noqa: E402
@@ -114,7 +119,7 @@ def load_data(args, device, rank, world_size):
                         num_workers=args.num_workers, pin_memory=device.type == "cuda",
                         multiprocessing_context=worker_start_method(args.num_workers),  # fork on Linux
                         generator=torch.Generator().manual_seed(args.seed),  # not the global RNG
-                        worker_init_fn=data_workers_apart)  # a stop signal is the trainer's to handle
+                        worker_init_fn=data_worker_ignores_stops)  # a stop signal is the trainer's to handle
     # Validation is split too: rank r evaluates samples r, r + world_size, ...
     val_sampler = DistributedSampler(data.val, num_replicas=world_size, rank=rank, shuffle=False)
     val_loader = DataLoader(data.val, batch_size=args.batch_size, sampler=val_sampler, num_workers=0)
@@ -142,7 +147,7 @@ def resume(args, run_dir, train_state, rank, settings, log):
     chosen = Path(args.resume_from).resolve() if args.resume_from and first_attempt else None
     candidates = [chosen] if chosen else checkpoint_candidates(ckpt_dir, log) if rank == 0 else []
     # --resume-from a checkpoint of this run: it becomes `latest` (the newer ones are abandoned)
-    path = load_latest(candidates, train_state, settings, rank=rank, log=log,
+    path = load_latest(candidates, train_state, settings, rank=rank, log=log, pointer=ckpt_dir / "latest",
                        roll_back=bool(chosen) and chosen.parent == ckpt_dir.resolve())
     if path:
         log.info("resumed from %s: step %d, epoch %d, %d steps into it", path, train_state.step,
@@ -225,7 +230,7 @@ def main():
 
     # the training state as one object: what a checkpoint saves and a resume restores
     train_state = TrainState(raw_model, optimizer, scheduler, device)
-    settings = run_settings(args, global_batch, data.fingerprint, FORMAT_VERSION)  # what defines this run
+    settings = run_settings(args, dtype, global_batch, data.fingerprint, FORMAT_VERSION)  # what defines this run
     resume(args, run_dir, train_state, rank, settings, log)
     start_step, start_epoch, start_in_epoch = train_state.step, train_state.epoch, train_state.step_in_epoch
     if finished_before(run_dir, start_step, total_steps, rank):
@@ -341,4 +346,4 @@ def main():
 
 
 if __name__ == "__main__":
-    run_main(main, interrupted=INTERRUPTED_RESUMABLE)  # Ctrl-C outside the loop
+    run_main(main, resumes=True)  # Ctrl-C outside the loop; its lines say the run resumes

@@ -66,10 +66,11 @@ RUN_DEFINING_FLAGS = ("dataset_name", "dataset_subset", "text_column", "tokenize
                       "warmup_steps", "num_epochs", "max_steps", "seed")
 
 
-def run_settings(args, global_batch: int, data_fingerprint: str, format_version: int) -> dict:
+def run_settings(args, dtype: str, global_batch: int, data_fingerprint: str, format_version: int) -> dict:
     """What a checkpoint records and a resume compares (see `settings_mismatch`): the
-    flags, the global batch, the corpus and tokenizer, and the checkpoint format."""
-    return {**{k: getattr(args, k) for k in RUN_DEFINING_FLAGS}, "global batch": global_batch,
+    flags, the dtype the math runs in (--dtype resolved: `auto` is fp32 on a CPU), the
+    global batch, the corpus and tokenizer, and the checkpoint format."""
+    return {**{k: getattr(args, k) for k in RUN_DEFINING_FLAGS}, "dtype": dtype, "global batch": global_batch,
             "data fingerprint": data_fingerprint, "format version": format_version}
 
 
@@ -78,7 +79,8 @@ def settings_mismatch(saved: dict, now: dict, path) -> str | None:
     the line that refuses it, naming each difference."""
     def name(k):
         return k if " " in k else f"--{k.replace('_', '-')}"
-    changed = [f"{name(k)} {saved.get(k)} -> {v}" for k, v in now.items() if saved.get(k) != v]
+    # a setting the checkpoint does not record was recorded only later (dtype): not compared
+    changed = [f"{name(k)} {saved[k]} -> {v}" for k, v in now.items() if k in saved and saved[k] != v]
     return changed and (f"checkpoint {path} belongs to a run with other settings ({', '.join(changed)}); "
                         f"use the same flags and data, --fresh, or another --experiment-name") or None
 

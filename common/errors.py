@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import socket
@@ -130,11 +131,12 @@ def stop_launcher(pid: int, grace: float = 1.0) -> None:
 
 
 @contextmanager
-def explain_peer_failures():
+def explain_peer_failures(resumes: bool = False):
     """A collective that times out (a peer or the network stopped answering) or finds its
-    peer gone ends this process with one line and exit status 1. If the machine holding
-    rank 0 is unreachable, this machine's torchrun is stopped too (SIGTERM, then SIGKILL),
-    since it would wait on that machine's store for minutes."""
+    peer gone ends this process with one line and exit status 1; `resumes`: the script
+    resumes from its checkpoints, and the line says so. If the machine holding rank 0 is
+    unreachable, this machine's torchrun is stopped too (SIGTERM, then SIGKILL), since it
+    would wait on that machine's store for minutes."""
     try:
         yield
     except RuntimeError as e:  # gloo and store errors are RuntimeError subclasses
@@ -154,12 +156,12 @@ def explain_peer_failures():
         stuck = launcher_stuck()
         left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0) - int(
             os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+        resume = "; they resume from the last checkpoint" if resumes else ""
         if left > 0 and not stuck:  # torchrun --max-restarts: it starts the workers again itself
-            hint = (f"; torchrun starts the workers again ({left} restart{'s' if left > 1 else ''} "
-                    f"left; chapter 04 resumes from its last checkpoint)")
+            hint = f"; torchrun starts the workers again ({left} restart{'s' if left > 1 else ''} left{resume})"
         else:
-            hint = ("; check that every machine is up and the network between them works, then rerun "
-                    "(chapter 04 resumes from its last checkpoint)")
+            hint = ("; check that every machine is up and the network between them works, then rerun"
+                    + (" the same command: it resumes from the last checkpoint" if resumes else ""))
         say_error(f"error: rank {rank}: {what} ({first}){hint}")
         sys.stdout.flush()
         if stuck:
@@ -177,6 +179,8 @@ OUT_OF_MEMORY = ("out of memory", "not enough memory", "can't allocate memory")
 # Killed." (the kernel's out-of-memory killer sends SIGKILL), or "DataLoader worker
 # (pid(s) 7507) exited unexpectedly" when it went without one.
 WORKER_DIED = ("killed by signal", "exited unexpectedly")
+# The words torch (strsignal) gives the signals another process sends to stop a job.
+STOP_SIGNAL_WORDS = {signal.strsignal(s): s.name for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
 
 
 def dataloader_worker_died(e: BaseException) -> bool:
@@ -200,18 +204,49 @@ MODEL_OOM_ADVICE = "try a smaller --batch-size, --seq-length or --model-preset"
 
 
 INTERRUPTED = "stopped where it was; what it logged so far stays, nothing else was saved"
-# chapter 04 outside its training loop (its loop saves a checkpoint first, preemption.py)
+# a script that resumes (chapter 04) outside its training loop (its loop saves a checkpoint
+# first, preemption.py)
 INTERRUPTED_RESUMABLE = ("stopped where it was; the checkpoints saved so far stay, and the same "
                          "command resumes from the last one")
 
 
-def run_main(main, oom_advice: str = TRAINING_OOM_ADVICE, interrupted: str = INTERRUPTED):
+def worker_death_cause(message: str) -> str:
+    """What ended a DataLoader worker, from torch's message: a stop signal sent to it
+    (SIGTERM, SIGINT, SIGHUP) is named as such; else the kernel's out-of-memory killer
+    (SIGKILL) is the usual cause."""
+    name = STOP_SIGNAL_WORDS.get(message.rsplit("killed by signal: ", 1)[-1].rstrip(". "))
+    if name:
+        return (f"{name}, a stop signal, reached the worker itself (a job scheduler ending the job "
+                f"signals each of its processes; so does `kill`): not a lack of memory")
+    return ("the kernel's out-of-memory killer is the usual cause (`dmesg` or `journalctl -k` says); "
+            "free memory, or pass --num-workers 0 to load batches in this process")
+
+
+def _interrupted(signum, frame):
+    """SIGINT during main(): this process's DataLoader workers are killed first, then
+    Ctrl-C's KeyboardInterrupt ends main(). A worker still alive when its trainer drops a
+    batch it was handing over prints multiprocessing's EOFError traceback; once SIGKILL
+    is sent, it runs no more code. Their deaths are ours: the DataLoader's SIGCHLD
+    handler must not report them."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for child in multiprocessing.active_children():
+        child.kill()
+    raise KeyboardInterrupt
+
+
+def run_main(main, oom_advice: str = TRAINING_OOM_ADVICE, resumes: bool = False):
     """main(), with Ctrl-C as one line, a lost peer or network as one line per process
     (`explain_peer_failures`), a batch that does not fit in memory as one line naming
     the flag to lower (`oom_advice`), and a DataLoader worker that died (killed, most
-    often for memory) as one line, instead of a traceback on every rank."""
+    often for memory) as one line, instead of a traceback on every rank. `resumes`: the
+    script resumes from its checkpoints (chapter 04), and its lines say so."""
+    previous = signal.signal(signal.SIGINT, _interrupted)
     try:
-        with explain_peer_failures():
+        # a chapter script holds SIGINT while it imports (its first lines): a Ctrl-C then
+        # arrives here, as a KeyboardInterrupt
+        if hasattr(signal, "pthread_sigmask"):
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+        with explain_peer_failures(resumes):
             return main()
     except (torch.OutOfMemoryError, RuntimeError, ConnectionError, EOFError) as e:
         # A DataLoader's SIGCHLD handler raises again, anywhere, once it sees its dead
@@ -220,15 +255,19 @@ def run_main(main, oom_advice: str = TRAINING_OOM_ADVICE, interrupted: str = INT
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if dataloader_worker_died(e):
-            fail(f"a DataLoader worker died ({first[:200].rstrip('. ')}): the kernel's out-of-memory "
-                 f"killer is the usual cause (`dmesg` or `journalctl -k` says); free memory, or pass "
-                 f"--num-workers 0 to load batches in this process", status=1, skip_teardown=True)
+            # "exited unexpectedly" may carry the signal that killed it in its cause
+            if "killed by signal" in str(e.__cause__):
+                first = str(e.__cause__).strip().splitlines()[0]
+            fail(f"a DataLoader worker died ({first[:200].rstrip('. ')}): {worker_death_cause(first)}",
+                 status=1, skip_teardown=True)
         if not out_of_memory(e):
             raise
         fail(f"out of memory ({first[:200]}): {oom_advice}", status=1)
     except KeyboardInterrupt:
         if int(os.environ.get("RANK") or 0) == 0:
             # the terminal echoed ^C where the cursor was: a bar's close ends that line
-            print(f"{'' if end_progress_bars() else chr(10)}interrupted (Ctrl-C): {interrupted}",
-                  file=sys.stderr, flush=True)
+            print(f"{'' if end_progress_bars() else chr(10)}interrupted (Ctrl-C): "
+                  f"{INTERRUPTED_RESUMABLE if resumes else INTERRUPTED}", file=sys.stderr, flush=True)
         os._exit(130)  # no teardown: peers may be gone, and waiting for them would hang
+    finally:
+        signal.signal(signal.SIGINT, previous)

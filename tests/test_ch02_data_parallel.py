@@ -5,12 +5,17 @@ model; GPU-only flags are refused."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import pytest
 import torch
 
 from common.model import LlamaForCausalLM, get_config
-from conftest import CH01_STEPS, NO_GPU, SMALL_CORPUS_FLAGS, TINY, load_script, python_cmd, read_json, \
-    read_jsonl, refused, run
+from conftest import CH01_STEPS, NO_GPU, REPO, SMALL_CORPUS_FLAGS, TINY, load_script, python_cmd, read_json, \
+    read_jsonl, refused, run, start
+from warm import kill_launch
 
 SCRIPT = "02-data-parallel/train_llm.py"
 STEPS = CH01_STEPS  # the flags of chapter 01's reference run (conftest's ch01_smoke)
@@ -134,3 +139,52 @@ def test_a_replica_computes_in_the_chosen_dtype_in_a_fresh_thread():
         t.start()
         t.join()
     assert dtypes == {"bare": torch.bfloat16, "replica": torch.float16}
+
+
+# Runs a chapter script (its path and arguments follow) with the race below made likely:
+# the trainer takes its time over each batch a DataLoader worker hands it (multiprocessing
+# passes each tensor's file descriptor over a connection of its own), and the worker is
+# slow to act on Ctrl-C, as on a busy machine.
+SLOW_HANDOVER = """
+import multiprocessing.connection, runpy, signal, sys, time
+from torch.utils.data._utils import worker
+
+answer, loop = multiprocessing.connection.answer_challenge, worker._worker_loop
+def slow_answer(*args):
+    time.sleep(0.05)
+    return answer(*args)
+def late_loop(*args):
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
+    return loop(*args)
+multiprocessing.connection.answer_challenge, worker._worker_loop = slow_answer, late_loop
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_ctrl_c_while_a_worker_hands_a_batch_over_is_one_line(tmp_path):
+    """Ctrl-C (SIGINT to the process group) while the trainer takes a batch over from its
+    DataLoader worker: the trainer left in the middle of the handover, and the worker,
+    still alive, printed multiprocessing's traceback (resource_sharer.py, EOFError or
+    ConnectionResetError) after the Ctrl-C line, in some runs; with the race made likely
+    (SLOW_HANDOVER), in most. run_main kills the workers before the trainer lets go.
+    Several runs, each stopped after its first step: one line each, no traceback."""
+    probe = tmp_path / "slow_handover.py"
+    probe.write_text(SLOW_HANDOVER)
+    workers = TINY.index("--num-workers")  # the default --num-workers: one worker
+    flags = [*TINY[:workers], *TINY[workers + 2:], "--max-steps", 1000, "--save-dir", tmp_path]
+    for attempt in range(3):
+        log, metrics = tmp_path / f"run-{attempt}.log", tmp_path / f"r{attempt}" / "metrics.jsonl"
+        job = start(python_cmd(probe, REPO / SCRIPT, *flags, "--experiment-name", f"r{attempt}"), log, env=NO_GPU)
+        deadline = time.monotonic() + 120
+        while job.poll() is None and time.monotonic() < deadline and not (metrics.exists() and metrics.read_text()):
+            time.sleep(0.01)
+        os.killpg(job.pid, signal.SIGINT)  # a terminal's Ctrl-C: the trainer and its worker
+        try:
+            status = job.wait(timeout=60)
+        finally:
+            kill_launch(job.pid)
+        out = log.read_text()
+        assert status == 130 and "Traceback" not in out, out[-3000:]
+        assert [line for line in out.splitlines() if "interrupted (Ctrl-C)" in line] == [
+            "interrupted (Ctrl-C): stopped where it was; what it logged so far stays, nothing else was saved"]

@@ -16,6 +16,7 @@ import os
 import pickle
 import random
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,10 +25,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from common.checkpoint_folder import RUN_DEFINING_FLAGS, run_settings, unchanged_on_error
+from common.checkpoint_folder import RUN_DEFINING_FLAGS, run_settings, settings_mismatch, unchanged_on_error
 from common.data import worker_start_method
 from common.durable import read_manifest, sha256_of
-from conftest import load_script, run, torchrun_cmd
+from conftest import REPO, load_script, run, torchrun_cmd
 from warm import children, running
 
 ch04 = load_script("04-checkpointing/train_llm.py")  # puts its folder on sys.path
@@ -210,32 +211,47 @@ def test_the_resumable_sampler_starts_mid_epoch_in_the_same_order():
 
 def test_run_settings_name_the_flags_the_data_and_the_format():
     args = argparse.Namespace(**{k: k for k in RUN_DEFINING_FLAGS})
-    s = run_settings(args, 16, "abc", checkpoint.FORMAT_VERSION)
-    assert s["global batch"] == 16 and s["data fingerprint"] == "abc"
+    s = run_settings(args, "bf16", 16, "abc", checkpoint.FORMAT_VERSION)
+    assert s["global batch"] == 16 and s["data fingerprint"] == "abc" and s["dtype"] == "bf16"
     assert s["format version"] == checkpoint.FORMAT_VERSION
     # the README's list: lr, preset, vocabulary, sequence length, dataset, seed, schedule length
     assert {"lr", "model_preset", "vocab_size", "seq_length", "dataset_name", "seed",
             "warmup_steps", "max_steps", "num_epochs"} <= set(s)
 
 
+
+def test_a_checkpoint_saved_before_the_dtype_was_recorded_still_resumes():
+    """Checkpoints of format 3 written before the dtype was part of the settings record
+    none: the dtype is not compared for them (refusing them would strand their runs);
+    their next save records it. Every setting they do record is compared as before."""
+    now = {"lr": 1.0, "dtype": "bf16", "format version": checkpoint.FORMAT_VERSION}
+    older = {"lr": 1.0, "format version": checkpoint.FORMAT_VERSION}
+    assert settings_mismatch(older, now, "old") is None
+    assert "(--dtype fp32 -> bf16)" in settings_mismatch({**older, "dtype": "fp32"}, now, "new")
+    assert "(--lr 2.0 -> 1.0)" in settings_mismatch({**older, "lr": 2.0}, now, "old")
+
+
 class WorkerPids(torch.utils.data.Dataset):
-    """Each sample is the pid of the worker that read it (and that worker's process group)."""
+    """Each sample is the pid of the worker that read it, after SIGTERM and SIGINT were
+    sent to that pid."""
 
     def __len__(self):
         return 8
 
     def __getitem__(self, i):
-        return torch.tensor([os.getpid(), os.getpgid(0)])
+        for sig in preemption.STOP_SIGNALS:
+            os.kill(os.getpid(), sig)
+        return torch.tensor([os.getpid()])
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
-def test_a_data_worker_leaves_the_trainers_group_and_dies_with_it():
-    """data_workers_apart: the DataLoader's worker is in a process group of its own (a
-    signal to the trainer's group misses it), and a trainer that dies without stopping it
-    (os._exit, as after a peer stopped answering) takes it along at once: the DataLoader's
-    own check would notice only within 5 s. With the chapters' start method (fork on
-    Linux), also where forkserver is the default (Python 3.14): the worker is the
-    trainer's child, not a fork server's."""
+def test_a_data_worker_ignores_stop_signals_and_dies_with_its_trainer():
+    """data_worker_ignores_stops: the DataLoader's worker lives through SIGTERM and SIGINT
+    sent to its own pid (as SLURM signals every process of a job), and a trainer that dies
+    without stopping it (os._exit, as after a peer stopped answering) takes it along at
+    once: the DataLoader's own check would notice only within 5 s. With the chapters'
+    start method (fork on Linux), also where forkserver is the default (Python 3.14): the
+    worker is the trainer's child, not a fork server's."""
     ready_r, ready_w = os.pipe()
     go_r, go_w = os.pipe()
     trainer = os.fork()
@@ -244,16 +260,16 @@ def test_a_data_worker_leaves_the_trainers_group_and_dies_with_it():
             multiprocessing.set_start_method("forkserver", force=True)
             loader = torch.utils.data.DataLoader(WorkerPids(), num_workers=1, batch_size=None,
                                                  multiprocessing_context=worker_start_method(1),
-                                                 worker_init_fn=preemption.data_workers_apart)
+                                                 worker_init_fn=preemption.data_worker_ignores_stops)
             batches = iter(loader)
-            os.write(ready_w, " ".join(map(str, next(batches).tolist())).encode())  # the worker runs
+            os.write(ready_w, str(next(batches).item()).encode())  # the worker got the signals and ran on
             os.read(go_r, 1)
         finally:
             os._exit(0)
+    os.close(ready_w)  # a trainer that fails ends the read below, not blocks it
     try:
-        worker, group = map(int, os.read(ready_r, 64).split())
-        assert group == worker != os.getpgid(trainer) and running(worker)
-        assert worker in children(trainer)
+        worker = int(os.read(ready_r, 64) or 0)
+        assert worker and running(worker) and worker in children(trainer)
     finally:
         os.write(go_w, b"1")
         os.waitpid(trainer, 0)
@@ -266,9 +282,37 @@ def test_a_data_worker_leaves_the_trainers_group_and_dies_with_it():
     assert gone_after < 2.5, f"the worker outlived its trainer by {gone_after:.1f} s"
 
 
+def _a_worker_that_waits(ready):
+    preemption.data_worker_ignores_stops(0)
+    ready.set()
+    time.sleep(60)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sender of a signal is read on Linux")
+def test_a_data_worker_still_ends_at_its_trainers_sigterm():
+    """The worker ignores a SIGTERM from anyone else (here `kill`, as SLURM's), but its
+    trainer's ends it at once, with status 0, as torch's own handler did: the DataLoader
+    and multiprocessing end workers so (multiprocessing waits for them as the trainer's
+    interpreter exits: a worker deaf to it would hang that exit)."""
+    fork = multiprocessing.get_context("fork")
+    ready = fork.Event()
+    worker = fork.Process(target=_a_worker_that_waits, args=(ready,), daemon=True)
+    worker.start()
+    try:
+        assert ready.wait(60)
+        subprocess.run(["kill", "-TERM", str(worker.pid)], check=True)
+        worker.join(1.0)
+        assert worker.is_alive(), worker.exitcode
+        worker.terminate()  # SIGTERM from its parent
+        worker.join(10)
+        assert worker.exitcode == 0
+    finally:
+        worker.kill()
+
+
 def _a_worker_started_late(trainer_gone):
-    os.read(trainer_gone, 1)  # its trainer has died: data_workers_apart comes too late
-    preemption.data_workers_apart(0)
+    os.read(trainer_gone, 1)  # its trainer has died: data_worker_ignores_stops comes too late
+    preemption.data_worker_ignores_stops(0)
     os._exit(3)  # it would have lived on
 
 
@@ -487,3 +531,26 @@ def test_the_stop_vote_never_blocks_a_step_and_every_rank_stops_at_the_same_one(
 
 if __name__ == "__main__":  # a rank of the `spawned` fixture's job
     two_ranks(Path(sys.argv[1]))
+
+
+def test_the_readme_quotes_the_lost_peer_line_the_code_prints(capsys, monkeypatch):
+    """The README's excerpt of the crash-and-restart run (`--max-restarts=3`, rank 1's
+    injected crash) shows rank 0's line about its lost peer: made here by run_main, called
+    as the chapter calls it, from gloo's error in that run."""
+    import ast
+    from torch.distributed import DistError
+    from common.errors import run_main
+
+    script = ast.parse((REPO / "04-checkpointing" / "train_llm.py").read_text())
+    [call] = [n for n in ast.walk(script) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "run_main"]
+    kwargs = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+    for name, value in {"RANK": "0", "TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_RESTART_COUNT": "0"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr("common.errors.launcher_stuck", lambda: False)
+    monkeypatch.setattr("common.errors.os._exit", lambda status: sys.exit(status))
+    gloo = DistError("Connection closed by peer [127.0.0.1]:38602. This is typically caused by a remote worker "
+                     "crashing. Check the logs of the remote worker before reporting an error. GLHF! 🏖️")
+    with pytest.raises(SystemExit):
+        run_main(lambda: (_ for _ in ()).throw(gloo), **kwargs)
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line in (REPO / "04-checkpointing" / "README.md").read_text().splitlines(), line

@@ -174,6 +174,22 @@ def test_resume_with_another_world_size_but_the_same_global_batch(tmp_path, cras
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=1e-5, abs=0)
 
 
+def test_resume_with_another_dtype_is_refused_and_auto_is_the_dtype_it_resolves_to(tmp_path, uninterrupted):
+    """The reference run trained with --dtype auto, fp32 on a CPU: bf16 autocast would
+    continue it with other losses, so it is refused by name; an explicit fp32 is the
+    same run (here: already finished). One process of batch 8 keeps the global batch."""
+    run_dir = copy_run(uninterrupted[1], tmp_path)
+    before = snapshot(run_dir)
+    proc = run(python_cmd(SCRIPT, *flags(tmp_path, "--batch-size", 8, "--dtype", "bf16")), check=False)
+    assert proc.returncode == 2
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith(f"error: checkpoint {run_dir / 'checkpoints' / step_dir(12)} belongs "
+                           f"to a run with other settings (--dtype fp32 -> bf16)")
+    assert snapshot(run_dir) == before
+    proc = run(python_cmd(SCRIPT, *flags(tmp_path, "--batch-size", 8, "--dtype", "fp32")))
+    assert f"this run already finished (step {STEPS} of {STEPS})" in proc.stdout
+
+
 def test_resume_with_another_global_batch_is_refused(tmp_path, crashed):
     run_dir = copy_run(crashed[1], tmp_path)
     before = snapshot(run_dir)
@@ -217,7 +233,7 @@ def test_loading_never_unpickles_code(tmp_path):
     ch04 = load_script(SCRIPT)
     args = ch04.parse_args([*map(str, flags(tmp_path / "out"))])
     data = build_datasets("stdlib", 64)  # the cached corpus: the settings match
-    write_manifest(evil, {"settings": run_settings(args, 4, data.fingerprint, ch04.FORMAT_VERSION)})
+    write_manifest(evil, {"settings": run_settings(args, "fp32", 4, data.fingerprint, ch04.FORMAT_VERSION)})
 
     proc = run(python_cmd(SCRIPT, *flags(tmp_path / "out", "--resume-from", evil)), check=False)
     assert proc.returncode == 2

@@ -20,7 +20,7 @@ import pytest
 
 from common import runfolder
 from common.runfolder import claim_run_folder
-from conftest import REPO, read_json, read_jsonl, run, run_folder_held, torchrun_cmd
+from conftest import REPO, python_cmd, read_json, read_jsonl, run, run_folder_held, torchrun_cmd
 from warm import children, in_session
 from ch04_runs import (CRASH, FREQ, NAME, SCRIPT, STEPS, assert_same_as_uninterrupted, copy_run, flags,
                        kill_job, snapshot, start_job, step_dir, train)
@@ -71,6 +71,26 @@ def test_when_no_checkpoint_loads_the_run_stops_and_changes_nothing(tmp_path, cr
     proc = train(tmp_path, "--crash-at-step", CRASH, check=False)
     assert proc.returncode != 0
     assert f"no checkpoint in {run_dir / 'checkpoints'} could be loaded" in proc.stderr
+    assert snapshot(run_dir) == before
+
+
+def test_a_folder_named_latest_stops_the_run_before_any_work(tmp_path, crashed):
+    """`checkpoints/latest` made a folder (by hand, or by a tool that keeps a folder
+    there): the run's first save could not write its pointer, and failed after its steps
+    were trained, with "latest.tmp ... Is a directory". It stops now, with one line that
+    says what to move, and touches nothing: the folder may hold someone's files. (One
+    process of batch 8 keeps the global batch.)"""
+    run_dir = copy_run(crashed[1], tmp_path)
+    pointer = run_dir / "checkpoints" / "latest"
+    pointer.unlink()
+    pointer.mkdir()
+    (pointer / "notes.txt").write_text("mine")
+    before = snapshot(run_dir)
+    proc = run(python_cmd(SCRIPT, *flags(tmp_path, "--batch-size", 8)), check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {pointer} is a folder, where the file naming the last checkpoint belongs: nothing was "
+        f"changed; move that folder out of {pointer.parent}, then run the same command"]
     assert snapshot(run_dir) == before
 
 

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +21,8 @@ from torch.distributed import DistError
 from common.cli import base_parser, check_args, checkpoint_folder, script_parser
 from common.distributed import BACKEND_ENV, backend_for, gpu_sharing_error
 from common.errors import UsageError, fail, launcher_stuck, run_main
-from conftest import REPO, TINY, free_port, load_script, refused
+from conftest import REPO, TINY, free_port, load_script, python_cmd, refused, start, torchrun_cmd
+from warm import children, kill_launch
 
 
 def parse(save_dir, *argv, **kwargs):
@@ -260,12 +264,12 @@ def test_a_lost_peer_is_one_line_per_rank(capsys, monkeypatch, error, says):
     assert exit_.value.code == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"error: rank 1: {says}") and str(error)[-20:] in err, err
-    assert err.rstrip().endswith("then rerun (chapter 04 resumes from its last checkpoint)"), err
+    assert err.rstrip().endswith("the network between them works, then rerun"), err
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")  # torchrun --max-restarts=3, first restart
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     with pytest.raises(SystemExit):
         run_main(lambda: (_ for _ in ()).throw(error))
-    assert "; torchrun starts the workers again (2 restarts left; " in capsys.readouterr().err
+    assert capsys.readouterr().err.rstrip().endswith("; torchrun starts the workers again (2 restarts left)")
     with pytest.raises(RuntimeError, match="DataLoader timed out"):  # not a collective: its traceback
         run_main(lambda: (_ for _ in ()).throw(RuntimeError("DataLoader timed out after 5 seconds")))
 
@@ -528,3 +532,129 @@ def test_resume_from_is_checked_where_and_when_it_is_read(tmp_path, monkeypatch,
             checkpoint_folder(missing)
     else:
         assert checkpoint_folder(missing) == missing
+
+
+# ---- DataLoader workers: bounded by the cores ------------------------------------------
+
+def test_absurd_num_workers_are_refused_before_any_work(tmp_path, capsys):
+    """--num-workers 10000 forked workers for minutes: more workers than the cores this
+    process may use is refused at parsing (one line, exit status 2, nothing created), and
+    a worker per core still passes."""
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    line = refusal(capsys, tmp_path / "out", "--num-workers", "10000")
+    assert line == (f"error: argument --num-workers: must be a whole number from 0 to {cores}, the cores "
+                    f"here (got '10000') (see --help)")
+    assert not (tmp_path / "out").exists()
+    assert parse(tmp_path / "out", "--num-workers", str(cores)).num_workers == cores
+
+
+# ---- Ctrl-C while a chapter script starts -----------------------------------------------
+
+CHAPTER_SCRIPTS = ["01-single-gpu/train_llm.py", "02-data-parallel/train_llm.py", "03-ddp/train_llm.py",
+                   "04-checkpointing/train_llm.py"]
+
+
+def loading_torch(pid: int) -> bool:
+    """Whether process `pid` is inside `import torch` or past it (its library is mapped)."""
+    try:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+def test_the_start_up_lines_are_the_same_in_every_chapter_script():
+    """What holds Ctrl-C during the imports is the same lines in each script (they add
+    nothing to the diffs between chapters), before `import torch`."""
+    heads = [(REPO / s).read_text().split("\nimport torch\n", 1)[0] for s in CHAPTER_SCRIPTS]
+    blocks = [head[head.index("\n# Ctrl-C while the imports"):] for head in heads]
+    assert len(set(blocks)) == 1 and "pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])" in blocks[0], blocks
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("launch", ["python", "torchrun"])
+def test_ctrl_c_while_torch_is_imported_is_one_line(tmp_path, launch):
+    """Ctrl-C within the first seconds, while `import torch` runs (before any output):
+    one line (rank 0's under torchrun), exit status 130, no KeyboardInterrupt traceback
+    (one per rank before). Chapter 01 under python, chapter 03 under the real torchrun,
+    whose workers it passes the SIGINT on to (torchrun's own SignalException traceback,
+    which no script can silence, is torchrun's)."""
+    if launch == "python":
+        cmd, interpreters = python_cmd(CHAPTER_SCRIPTS[0], *TINY, "--save-dir", tmp_path), 1
+    else:
+        cmd, interpreters = torchrun_cmd(2, CHAPTER_SCRIPTS[2], *TINY, "--save-dir", tmp_path), 2
+    job = start(cmd, tmp_path / "log", warm=False)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            scripts = [job.pid] if launch == "python" else children(job.pid)
+            if len(scripts) == interpreters and all(loading_torch(p) for p in scripts):
+                break
+            time.sleep(0.005)
+        os.killpg(job.pid, signal.SIGINT)  # a terminal's Ctrl-C
+        job.wait(timeout=120)
+    finally:
+        kill_launch(job.pid)
+    out = (tmp_path / "log").read_text()
+    lines = [line for line in out.splitlines() if line.strip()]
+    said = [line for line in lines if line.startswith("interrupted (Ctrl-C): ")]
+    assert len(said) == 1 and "KeyboardInterrupt" not in out and "train_llm.py" not in out, out[-3000:]
+    if launch == "python":
+        assert job.returncode == 130 and lines == said, out  # the only output
+    else:  # torchrun says it got the signal (its traceback, status 1); the workers said one line
+        assert job.returncode == 1 and out.count("Traceback") == 1 and "SignalException" in out, out[-3000:]
+        assert "[rank" not in out and "exitcode" not in out, out[-3000:]
+
+
+@pytest.mark.parametrize("restarts", [0, 3])
+def test_only_a_script_that_resumes_says_that_a_rerun_resumes(capsys, monkeypatch, restarts):
+    """A lost peer's line promised "chapter 04 resumes from its last checkpoint" in every
+    script, chapter 05's too, which keep no checkpoint. Only run_main(resumes=True), which
+    chapter 04's script alone passes, says it now: after the rerun, or torchrun's restart."""
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", str(restarts))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setattr("common.errors.launcher_stuck", lambda: False)
+    monkeypatch.setattr("common.errors.os._exit", lambda status: sys.exit(status))
+    lines = {}
+    for resumes in (False, True):
+        with pytest.raises(SystemExit):
+            run_main(lambda: (_ for _ in ()).throw(DistError("Connection closed by peer [10.0.0.1]:1")),
+                     resumes=resumes)
+        [lines[resumes]] = capsys.readouterr().err.strip().splitlines()
+    assert "resume" not in lines[False] and "chapter 04" not in lines[False], lines
+    assert lines[True].endswith("they resume from the last checkpoint)" if restarts else
+                                "then rerun the same command: it resumes from the last checkpoint"), lines
+    callers = {}
+    for path in sorted(REPO.glob("0*/*.py")):
+        for call in re.findall(r"run_main\((.*)\)", path.read_text()):
+            callers[path.relative_to(REPO).as_posix()] = "resumes=True" in call
+    assert {script for script, resumes in callers.items() if resumes} == {"04-checkpointing/train_llm.py"}
+    assert any(script.startswith("05-collectives/") for script in callers), callers
+
+
+def test_a_data_worker_killed_by_a_stop_signal_is_not_blamed_on_memory():
+    """A DataLoader worker that dies of SIGTERM sent to its own pid (as SLURM signals each
+    process of a job it ends), while its trainer waits for a batch: the line names the
+    signal, not the out-of-memory killer, whose SIGKILL the line keeps its advice for
+    (test_real_memory_failures_are_one_line). (A worker that dies while it hands a batch
+    over breaks the connection first: torch then cannot say what killed it.)"""
+    code = """
+import os, signal, time, torch
+from torch.utils.data import DataLoader
+from common.errors import run_main
+class Stopped(torch.utils.data.Dataset):
+    def __len__(self): return 100
+    def __getitem__(self, i):
+        if i == 5:
+            time.sleep(0.5)  # the batches before are handed over
+            os.kill(os.getpid(), signal.SIGTERM)
+        return i
+run_main(lambda: [b for b in DataLoader(Stopped(), batch_size=1, num_workers=1)])
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
+    assert proc.stderr.startswith("error: a DataLoader worker died (DataLoader worker (pid ") and \
+        "is killed by signal: Terminated): SIGTERM, a stop signal, reached the worker itself" in proc.stderr \
+        and "memory" not in proc.stderr.replace("not a lack of memory", ""), proc.stderr
