@@ -31,7 +31,7 @@ from common.cli import DEFAULT_SAVE_DIR, DTYPES, Parser, check_device, check_lau
     one_of, positive_int, seed_value  # noqa: E402
 from common.data import show_progress  # noqa: E402
 from common.errors import MODEL_OOM_ADVICE, UsageError, run_main  # noqa: E402
-from common.jsonfiles import write_json  # noqa: E402
+from common.files import write_json  # noqa: E402
 from common.model import PRESETS, LlamaForCausalLM, flops_per_token, get_config, non_matmul_params, \
     num_parameters, shares_kv_heads  # noqa: E402
 from common.runfolder import claim_run_folder  # noqa: E402

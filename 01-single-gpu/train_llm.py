@@ -34,7 +34,7 @@ from common.errors import run_main  # noqa: E402
 from common.masks import build_attention_mask  # noqa: E402
 from common.model import LlamaForCausalLM, describe, flops_per_token, get_config, num_parameters  # noqa: E402
 from common.runfolder import claim_run_folder, save_weights  # noqa: E402
-from common.tracker import Tracker  # noqa: E402
+from common.metrics import Tracker  # noqa: E402
 from common.training import build_optimizer, evaluate, lr_lambda, sample  # noqa: E402
 
 CHAPTER = "01-single-gpu"

@@ -26,8 +26,8 @@ import torch.distributed as dist
 
 # Runnable from the repo root or from inside this folder, installed or not.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.cli import one_of, positive_int, script_parser  # noqa: E402
-from common.distributed import start_demo  # noqa: E402
+from common.cli import one_of, positive_int  # noqa: E402
+from common.demos import script_parser, start_demo  # noqa: E402
 
 GRAD_NUMEL = 1000  # the stand-in for one gradient bucket
 LINGER_S = 3  # after a failure, time for the other ranks to print theirs

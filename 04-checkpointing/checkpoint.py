@@ -11,30 +11,35 @@
 - `load_latest`: rank 0 reads the newest checkpoint that verifies and loads it, then
   sends it to the other ranks tensor by tensor: no other machine needs the file.
 
-The housekeeping around them (checksums, pruning, settings, a full disk) is in
-`common.checkpoint_folder` and `common.durable`: one jump away, not the lesson.
+Beside them, what a checkpoint is checked against: the settings that define a run
+(`run_settings`, `settings_mismatch`) and the checksums of its files (`common.files`).
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
 import os
 import random
 import re
 import shutil
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from common.checkpoint_folder import commit_on_rank0, prune_checkpoints, settings_mismatch, unchanged_on_error
-from common.errors import fail
-from common.distributed import patient_group
-from common.durable import fsync_dir, fsync_write, hashed_write, one_line, verify_manifest, write_manifest
+from common.distributed import on_rank0, patient_group, stop_on_any_error
+from common.files import (folder_mb, fsync_dir, fsync_write, hashed_write, is_disk_full, one_line,
+                          verify_manifest, write_manifest)
 
 FORMAT_VERSION = 3  # of state.pt; part of the settings, so another format is refused by name
+# The flags that change what a run trains, and so what its checkpoints can continue.
+RUN_DEFINING_FLAGS = ("dataset_name", "dataset_subset", "text_column", "tokenizer", "vocab_size",
+                      "padded", "model_preset", "seq_length", "lr", "weight_decay",
+                      "warmup_steps", "num_epochs", "max_steps", "seed")
 
 
 # ---- the state ----------------------------------------------------------------------------
@@ -212,8 +217,39 @@ def save_checkpoint(ckpt_dir: Path, train_state: TrainState, settings: dict, *, 
         os.rename(tmp, final)  # atomic: the folder is there whole, or not at all
         point_latest_to(final)  # the commit point
         prune_checkpoints(ckpt_dir, final, keep_last)
-    commit_on_rank0(commit, rank, tmp)  # an error (a full disk) stops every rank, in one line
+
+    def explain(e) -> str | None:  # a failed commit: every rank stops with this line
+        written = folder_mb(tmp) if tmp.exists() else 0.0
+        shutil.rmtree(tmp, ignore_errors=True)  # never leave a full disk fuller
+        if is_disk_full(e, ckpt_dir):
+            return disk_full(ckpt_dir, written)
+        return f"writing {getattr(e, 'filename', None) or ckpt_dir} failed: {one_line(e)}" \
+            if isinstance(e, OSError) else None
+    on_rank0(commit, rank, explain)
     return final, time.perf_counter() - t0
+
+
+def disk_full(ckpt_dir: Path, written_mb: float) -> str:
+    """The line for a checkpoint that did not fit: what one needs (the size of a checkpoint
+    already there, else more than the failed save wrote) and what is free."""
+    saved = [folder_mb(p) for p in Path(ckpt_dir).glob("step-*") if p.is_dir()]
+    needed = f"about {max(saved):,.0f} MB" if saved else f"more than {written_mb:,.0f} MB"
+    return (f"disk full while saving into {ckpt_dir}: a checkpoint needs {needed} and "
+            f"{shutil.disk_usage(ckpt_dir).free / 2**20:,.0f} MB are free; free some space (step-* "
+            f"folders older than the one `latest` names may go: --keep-last prunes only after a "
+            f"save succeeds), then run the same command to resume")
+
+
+def prune_checkpoints(ckpt_dir: Path, newest: Path, keep_last: int):
+    """Keep the `keep_last` newest checkpoints up to `newest`. Those beyond it were left by
+    a rollback (--resume-from) or never committed: moved into `abandoned/`, not deleted."""
+    folders = sorted(p for p in Path(ckpt_dir).glob("step-*") if p.is_dir())
+    for old in [p for p in folders if p.name <= newest.name][:-keep_last]:
+        shutil.rmtree(old)
+    for future in [p for p in folders if p.name > newest.name]:
+        (ckpt_dir / "abandoned").mkdir(exist_ok=True)
+        shutil.rmtree(ckpt_dir / "abandoned" / future.name, ignore_errors=True)
+        os.rename(future, ckpt_dir / "abandoned" / future.name)
 
 
 def roll_back_to(path: Path):
@@ -299,13 +335,46 @@ def load_latest(candidates: list[Path], train_state: TrainState, settings: dict,
     if dist.is_initialized():
         dist.broadcast_object_list(found, src=0, group=waiting)
     path, refusal, error, tried, roll_back = Path(found[0]) if found[0] else None, *found[1:]
-    if refusal:
-        fail(refusal)
-    if tried and path is None:
-        fail(f"no checkpoint in {tried} could be loaded (the last: {error}); "
-             f"nothing was changed: move the broken ones away, or start over with --fresh")
+    if tried and path is None and not refusal:
+        refusal = (f"no checkpoint in {tried} could be loaded (the last: {error}); nothing was "
+                   f"changed: move the broken ones away, or start over with --fresh")
+    stop_on_any_error(refusal if rank == 0 else None)  # every rank stops with rank 0's line
     if path and dist.is_initialized():
         train_state.broadcast_from_rank0(rank)
     if path and roll_back:
-        commit_on_rank0(lambda: roll_back_to(path), rank)
+        on_rank0(lambda: roll_back_to(path), rank, lambda e: f"rolling back to {path} failed: {one_line(e)}")
     return path
+
+
+# ---- what a checkpoint continues -------------------------------------------------------------
+
+def run_settings(args, dtype: str, global_batch: int, data_fingerprint: str) -> dict:
+    """What a checkpoint records and a resume compares: the flags that change what is
+    trained, the dtype the math runs in (--dtype resolved: `auto` is fp32 on a CPU), the
+    global batch, the corpus and tokenizer, and the checkpoint format."""
+    return {**{k: getattr(args, k) for k in RUN_DEFINING_FLAGS}, "dtype": dtype, "global batch": global_batch,
+            "data fingerprint": data_fingerprint, "format version": FORMAT_VERSION}
+
+
+def settings_mismatch(saved: dict, now: dict, path) -> str | None:
+    """None if checkpoint `path`, saved with `saved` settings, continues this run; else the
+    line that refuses it, naming each difference. A setting the checkpoint does not record
+    was recorded only later (the dtype): not compared."""
+    def name(k):
+        return k if " " in k else f"--{k.replace('_', '-')}"
+    changed = [f"{name(k)} {saved[k]} -> {v}" for k, v in now.items() if k in saved and saved[k] != v]
+    return changed and (f"checkpoint {path} belongs to a run with other settings ({', '.join(changed)}); "
+                        f"use the same flags and data, --fresh, or another --experiment-name") or None
+
+
+@contextmanager
+def unchanged_on_error(model, optimizer):
+    """If the block raises, model and optimizer go back to what they were before it."""
+    model_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    optimizer_state = copy.deepcopy(optimizer.state_dict())
+    try:
+        yield
+    except BaseException:
+        model.load_state_dict(model_state)
+        optimizer.load_state_dict(optimizer_state)  # replaces the whole state
+        raise

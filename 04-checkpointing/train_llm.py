@@ -33,11 +33,10 @@ from torch.utils.data import DataLoader, DistributedSampler
 # Runnable from the repo root or from inside this folder, installed or not; the lesson's
 # modules lie beside this script.
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
-from checkpoint import (FORMAT_VERSION, ResumableSampler, TrainState, checkpoint_candidates,  # noqa: E402
-                        load_latest, rebuild_ddp_buckets, save_checkpoint)
+from checkpoint import (ResumableSampler, TrainState, checkpoint_candidates, load_latest,  # noqa: E402
+                        rebuild_ddp_buckets, run_settings, save_checkpoint)
 from preemption import StopRequest, data_worker_ignores_stops  # noqa: E402
 from common.cli import base_parser, checkpoint_folder, non_negative_int, positive_int, setup_logging  # noqa: E402
-from common.checkpoint_folder import run_settings  # noqa: E402
 from common.data import IGNORE_INDEX, build_datasets, check_enough_samples, dataset_info, local_rank0_first, worker_start_method  # noqa: E402
 from common.distributed import DDP_NO_BUFFER_SYNC, backend_for, gc_and_destroy_process_group, init_process_group_for_restarts  # noqa: E402
 from common.environment import environment_info, exit_with_launcher, set_tf32, share_cpu_threads  # noqa: E402
@@ -45,7 +44,7 @@ from common.errors import run_main  # noqa: E402
 from common.masks import build_attention_mask  # noqa: E402
 from common.model import LlamaForCausalLM, describe, flops_per_token, get_config, num_parameters  # noqa: E402
 from common.runfolder import archive_run, claim_run_folder, outputs_complete, save_weights  # noqa: E402
-from common.tracker import Tracker  # noqa: E402
+from common.metrics import Tracker  # noqa: E402
 from common.training import build_optimizer, evaluate, lr_lambda, sample  # noqa: E402
 
 CHAPTER = "04-checkpointing"
@@ -230,7 +229,7 @@ def main():
 
     # the training state as one object: what a checkpoint saves and a resume restores
     train_state = TrainState(raw_model, optimizer, scheduler, device)
-    settings = run_settings(args, dtype, global_batch, data.fingerprint, FORMAT_VERSION)  # what defines this run
+    settings = run_settings(args, dtype, global_batch, data.fingerprint)  # what defines this run
     resume(args, run_dir, train_state, rank, settings, log)
     start_step, start_epoch, start_in_epoch = train_state.step, train_state.epoch, train_state.step_in_epoch
     if finished_before(run_dir, start_step, total_steps, rank):

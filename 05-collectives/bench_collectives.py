@@ -32,14 +32,15 @@ import torch.distributed as dist
 
 # Runnable from the repo root or from inside this folder, installed or not.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.cli import comma_list, non_negative_int, one_of, positive_int, script_parser  # noqa: E402
-from common.distributed import first_error, gc_and_destroy_process_group, start_demo  # noqa: E402
+from common.cli import comma_list, non_negative_int, one_of, positive_int  # noqa: E402
+from common.demos import script_parser, start_demo  # noqa: E402
+from common.distributed import first_error, gc_and_destroy_process_group  # noqa: E402
 from common.environment import device_name, environment_info  # noqa: E402
 from common.errors import UsageError, run_main  # noqa: E402
-from common.jsonfiles import write_json  # noqa: E402
-from common.proof import max_over_ranks  # noqa: E402
+from common.files import write_json  # noqa: E402
 from common.runfolder import claim_run_folder  # noqa: E402
 from common.tables import markdown_table  # noqa: E402
+from proof import max_over_ranks  # noqa: E402
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
@@ -281,13 +282,16 @@ def main():
                          "dtype": args.dtype})
 
     if rank == 0:
-        print(f"\n{results_table(rows)}\n", flush=True)
+        peaks = []
         for op in dict.fromkeys(r["op"] for r in rows):
             # the peak, not the largest size: on a shared machine the largest need not be
             best = max((r for r in rows if r["op"] == op), key=lambda r: r["busbw_gbps"])
-            print(f"{op:>15}: peak busbw {fmt_gbps(best['busbw_gbps'])} GB/s at "
-                  f"{fmt_bytes(best['bytes'])} (algbw {fmt_gbps(best['algbw_gbps'])} GB/s x "
-                  f"factor {best['bus_factor']:.3g})")
+            peaks.append(f"{op:>15}: peak busbw {fmt_gbps(best['busbw_gbps'])} GB/s at "
+                         f"{fmt_bytes(best['bytes'])} (algbw {fmt_gbps(best['algbw_gbps'])} GB/s x "
+                         f"factor {best['bus_factor']:.3g})")
+        tables = f"{results_table(rows)}\n\n" + "\n".join(peaks)
+        print(f"\n{tables}", flush=True)
+        (run_dir / "tables.md").write_text(tables + "\n")  # what the tour's report shows
         write_json(run_dir / "bench_collectives.json", {
             "experiment_name": args.experiment_name, "world_size": world, "backend": backend,
             "device": device.type, "device_name": machine, "dtype": args.dtype,

@@ -23,8 +23,9 @@ import torch.distributed as dist
 
 # Runnable from the repo root or from inside this folder, installed or not.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.cli import one_of, script_parser  # noqa: E402
-from common.distributed import gc_and_destroy_process_group, start_demo  # noqa: E402
+from common.cli import one_of  # noqa: E402
+from common.demos import script_parser, start_demo  # noqa: E402
+from common.distributed import gc_and_destroy_process_group  # noqa: E402
 from common.errors import run_main  # noqa: E402
 
 OPS = ("all_reduce", "reduce", "broadcast", "all_gather", "gather", "scatter",

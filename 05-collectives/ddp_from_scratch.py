@@ -7,7 +7,7 @@ buckets reduced while backward goes on, as DDP does), beside torch's DDP, from t
 weights on the same batches. Prove: --proof-steps float64 steps of every mode, each from
 DDP's state (parameters and AdamW moments); after each step every mode's parameters must
 equal DDP's, bit for bit on 2 ranks, on more within the rounding bound that summation
-order allows in one step (common.proof.adam_step_bound), else exit status 1. Time:
+order allows in one step (proof.adam_step_bound), else exit status 1. Time:
 --steps steps in the chapters' training dtype (bf16 autocast on GPUs, fp32 on CPUs), the
 modes interleaved. Report: a table and JSON.
 
@@ -30,18 +30,19 @@ from tqdm import tqdm
 
 # Runnable from the repo root or from inside this folder, installed or not.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.cli import comma_list, non_negative_int, positive_float, positive_int, script_parser  # noqa: E402
-from common.data import IGNORE_INDEX, fixed_batches, show_progress  # noqa: E402
-from common.distributed import DDP_NO_BUFFER_SYNC, gc_and_destroy_process_group, start_demo  # noqa: E402
+from common.cli import comma_list, non_negative_int, positive_float, positive_int  # noqa: E402
+from common.data import IGNORE_INDEX, show_progress  # noqa: E402
+from common.demos import fixed_batches, script_parser, start_demo  # noqa: E402
+from common.distributed import DDP_NO_BUFFER_SYNC, gc_and_destroy_process_group  # noqa: E402
 from common.environment import device_name, environment_info  # noqa: E402
 from common.errors import MODEL_OOM_ADVICE, run_main  # noqa: E402
-from common.jsonfiles import write_json  # noqa: E402
+from common.files import write_json  # noqa: E402
 from common.model import LlamaForCausalLM, get_config, num_parameters  # noqa: E402
-from common.proof import (adam_step_bound, exact_kernels, max_abs_difference,  # noqa: E402
-                          max_difference_to_rank0, max_over_ranks)
 from common.runfolder import claim_run_folder  # noqa: E402
 from common.tables import markdown_table  # noqa: E402
 from common.training import build_optimizer  # noqa: E402
+from proof import (adam_step_bound, exact_kernels, max_abs_difference,  # noqa: E402
+                   max_difference_to_rank0, max_over_ranks)
 
 MODES = ("naive", "bucketed", "overlap", "ddp")
 
@@ -411,8 +412,10 @@ def main():
     # ---- 3. report -----------------------------------------------------------------
     if rank == 0:
         skipped = min(args.timing_warmup, args.steps - 1)
-        print(f"\n{results_table(results, proof)}\n\nmedians of "
-              + (f"the steps after the first {skipped}" if skipped else "all the steps"), flush=True)
+        tables = (f"{results_table(results, proof)}\n\nmedians of "
+                  + (f"the steps after the first {skipped}" if skipped else "all the steps"))
+        print(f"\n{tables}", flush=True)
+        (run_dir / "tables.md").write_text(tables + "\n")  # what the tour's report shows
         write_json(run_dir / "ddp_from_scratch.json", {
             **vars(args), "world_size": world, "backend": group.backend,
             "device_name": device_name(group.device), "num_params": n_params,

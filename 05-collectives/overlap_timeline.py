@@ -33,16 +33,16 @@ from tqdm import tqdm
 # come from the scripts beside this one.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common.cli import comma_list, non_negative_int, positive_float, script_parser  # noqa: E402
-from common.data import fixed_batches, show_progress  # noqa: E402
-from common.distributed import gc_and_destroy_process_group, start_demo  # noqa: E402
-from common.environment import device_name, environment_info  # noqa: E402
+from common.cli import comma_list, non_negative_int, positive_float  # noqa: E402
+from common.data import show_progress  # noqa: E402
+from common.demos import fixed_batches, script_parser, start_demo  # noqa: E402
+from common.distributed import gc_and_destroy_process_group  # noqa: E402
+from common.environment import device_name, environment_info, profiler_activities  # noqa: E402
 from common.errors import MODEL_OOM_ADVICE, run_main  # noqa: E402
-from common.jsonfiles import write_json  # noqa: E402
+from common.files import write_json  # noqa: E402
 from common.model import get_config  # noqa: E402
 from common.runfolder import claim_run_folder  # noqa: E402
-from common.step_profile import profiler_activities  # noqa: E402
-from common import timeline  # noqa: E402
+import timeline  # noqa: E402
 from ddp_from_scratch import Replica  # noqa: E402
 from sharded_from_scratch import TRAINERS  # noqa: E402
 
@@ -139,9 +139,11 @@ def run(args, demo):
 def report(args, demo, steps, run_dir):
     """Rank 0: the table, overlap_timeline.json and overlap_timeline.png."""
     figures = {mode: timeline.overlap(ranks) for mode, ranks in steps.items()}
-    print("\n" + timeline.table(figures) +
-          "\n\ncollective ms: per rank, the time gloo's threads (or nccl's stream) were running a "
-          "collective; overlap: the part of it while the same rank's backward was computing", flush=True)
+    tables = (timeline.table(figures) + "\n\ncollective ms: per rank, the time gloo's threads (or nccl's "
+              "stream) were running a collective; overlap: the part of it while the same rank's "
+              "backward was computing")
+    print("\n" + tables, flush=True)
+    (run_dir / "tables.md").write_text(tables + "\n")  # what the tour's report shows
     write_json(run_dir / "overlap_timeline.json", {
         "world_size": demo.world, "backend": demo.backend, "device_name": device_name(demo.device),
         "args": vars(args), "load_average": os.getloadavg()[0],

@@ -22,8 +22,8 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from .distributed import all_gather_single
-from .environment import set_tf32, tf32_enabled
+from common.demos import all_gather_single
+from common.environment import set_tf32, tf32_enabled
 
 
 def max_over_ranks(value: float, device) -> float:

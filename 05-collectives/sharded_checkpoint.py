@@ -53,18 +53,18 @@ from torch.distributed.fsdp import fully_shard
 
 # Runnable from the repo root or from inside this folder, installed or not.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.checkpoint_folder import commit_on_rank0  # noqa: E402
-from common.cli import positive_int, script_parser  # noqa: E402
-from common.data import IGNORE_INDEX, fixed_batches  # noqa: E402
-from common.distributed import first_error, gc_and_destroy_process_group, start_demo  # noqa: E402
-from common.durable import (atomic_write, check_files, fsync_dir, fsync_write, is_disk_full,  # noqa: E402
-                            one_line, read_manifest, sha256_of, write_manifest)
+from common.cli import positive_int  # noqa: E402
+from common.data import IGNORE_INDEX  # noqa: E402
+from common.demos import fixed_batches, script_parser, start_demo  # noqa: E402
+from common.distributed import first_error, gc_and_destroy_process_group, on_rank0  # noqa: E402
+from common.files import (atomic_write, fsync_dir, fsync_write, is_disk_full, one_line, sha256_of,  # noqa: E402
+                          verify_manifest, write_manifest)
 from common.errors import MODEL_OOM_ADVICE, UsageError, fail, run_main  # noqa: E402
 from common.model import LlamaForCausalLM, get_config  # noqa: E402
-from common.proof import exact_kernels, full_state  # noqa: E402
 from common.runfolder import claim_run_folder  # noqa: E402
 from common.tables import markdown_table  # noqa: E402
 from common.training import build_optimizer  # noqa: E402
+from proof import exact_kernels, full_state  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -86,7 +86,7 @@ def parse_args(argv=None):
             raise UsageError(f"--load {args.load!r} is not a sharded checkpoint (a run folder with "
                              f"`latest`, or a step-N folder holding manifest.json and .metadata)")
         try:
-            meta = read_manifest(step_dir)
+            meta = verify_manifest(step_dir, names=())  # its metadata; the files are checked below
             saved = meta["settings"]
         except (ValueError, KeyError, TypeError):
             raise UsageError(f"--load {args.load!r}: its manifest.json is unreadable") from None
@@ -146,7 +146,7 @@ def run(args, demo):
         # W-th, at once: no rank waits for one reading them all), every rank hears the verdict.
         error, names = None, sorted(args.load_meta["sha256"])
         try:
-            check_files(args.load_step_dir, args.load_meta, names[demo.rank::demo.world])
+            verify_manifest(args.load_step_dir, names[demo.rank::demo.world])
         except ValueError as e:
             error = f"checkpoint {args.load_step_dir} is damaged: {e}; nothing was loaded"
         error = first_error(error)
@@ -287,7 +287,11 @@ def save_sharded(model, optimizer, step_dir: Path, run_settings: dict, step: int
         fsync_write(run_dir / "latest.tmp", lambda f: f.write(step_dir.name.encode()))
         os.replace(run_dir / "latest.tmp", run_dir / "latest")  # the commit point
         fsync_dir(run_dir)
-    commit_on_rank0(commit, demo.rank, tmp)
+
+    def explain(e):  # a failed commit: no half folder left, every rank stops with the line
+        shutil.rmtree(tmp, ignore_errors=True)
+        return write_failure(e, run_dir) if isinstance(e, OSError) or is_disk_full(e, run_dir) else None
+    on_rank0(commit, demo.rank, explain)
     return time.perf_counter() - t0 - reference_s, reference_s
 
 

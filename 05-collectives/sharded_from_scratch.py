@@ -10,7 +10,7 @@ DDP keeps everything whole on every rank: parameters, gradients, AdamW's two mom
 Prove: --proof-steps fp64 steps of every mode on the same batches, each step from DDP's
 state (weights and AdamW moments); after each step every mode's weights must equal DDP's
 within the rounding bound that summation order allows in one step
-(common.proof.adam_step_bound: 0 on 2 ranks), else exit 1. Time: --steps steps in the
+(proof.adam_step_bound: 0 on 2 ranks), else exit 1. Time: --steps steps in the
 chapters' training dtype (bf16 autocast on GPUs, fp32 on CPUs), modes interleaved step by
 step. Prints bytes held and sent per rank, tokens/s.
 
@@ -33,13 +33,15 @@ from tqdm import tqdm
 
 # Runnable from the repo root or from inside this folder, installed or not.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.cli import comma_list, non_negative_int, positive_int, script_parser  # noqa: E402
-from common.data import IGNORE_INDEX, fixed_batches, show_progress  # noqa: E402
-from common.distributed import DDP_NO_BUFFER_SYNC, gc_and_destroy_process_group, start_demo  # noqa: E402
+from common.cli import comma_list, non_negative_int, positive_int  # noqa: E402
+from common.data import IGNORE_INDEX, show_progress  # noqa: E402
+from common.demos import fixed_batches, script_parser, start_demo  # noqa: E402
+from common.distributed import DDP_NO_BUFFER_SYNC, gc_and_destroy_process_group  # noqa: E402
 from common.errors import MODEL_OOM_ADVICE, UsageError, run_main  # noqa: E402
 from common.model import LlamaForCausalLM, get_config, num_parameters  # noqa: E402
 from common.runfolder import claim_run_folder  # noqa: E402
-from common import proof, sharding  # noqa: E402
+import proof  # noqa: E402
+import sharding  # noqa: E402
 
 MODES = ("ddp", "zero1", "zero3", "fsdp2")
 BETAS, EPS = (0.9, 0.95), 1e-8  # the chapters' AdamW; the proof's bound depends on them

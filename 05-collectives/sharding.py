@@ -25,11 +25,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .distributed import all_gather_single, reduce_scatter_single
-from .environment import device_name, environment_info
-from .jsonfiles import write_json
-from .tables import markdown_table
-from .proof import max_over_ranks
+from common.demos import all_gather_single, reduce_scatter_single
+from common.environment import device_name, environment_info
+from common.files import write_json
+from common.tables import markdown_table
+from proof import max_over_ranks
 
 # Bytes a bandwidth-optimal (ring) algorithm sends from each rank, per byte of the array
 # (the gathered output, the scattered input, the reduced tensor): nccl-tests' bus factors.
@@ -197,16 +197,16 @@ def report(summary: dict, results: dict, failures: list, run_dir: Path, name: st
     ddp = results.get("ddp", {}).get("tokens_per_s")
     for r in results.values():
         r["tokens_per_s_vs_ddp"] = r["tokens_per_s"] / ddp if ddp else None
-    print(f"\nper-rank bytes, {world} ranks (params, grads, AdamW state: held between steps):\n")
-    print(memory_table(results))
-    print("\nthroughput; bytes each rank sends per step (counted: the sizes of the collectives "
-          "called, as a ring algorithm sends them; textbook: 2(N-1)/N or 3(N-1)/N x the "
-          "parameters' bytes); proof:\n")
-    print(comm_table(results))
+    tables = (f"per-rank bytes, {world} ranks (params, grads, AdamW state: held between steps):\n\n"
+              f"{memory_table(results)}\n\nthroughput; bytes each rank sends per step (counted: the "
+              f"sizes of the collectives called, as a ring algorithm sends them; textbook: 2(N-1)/N or "
+              f"3(N-1)/N x the parameters' bytes); proof:\n\n{comm_table(results)}")
+    print(f"\n{tables}")
     print(f"\nmedian step of steps {a['timing_warmup'] + 1}..{a['steps']} ({summary['timing_dtype']}), "
           f"slowest rank; load "
           f"average {summary['load_average_before']:.2f} before, {os.getloadavg()[0]:.2f} after", flush=True)
     run_dir.mkdir(parents=True, exist_ok=True)  # created only now, by rank 0 only
+    (run_dir / "tables.md").write_text(tables + "\n")  # what the tour's report shows
     write_json(run_dir / f"{name}.json", {**summary, "load_average_after": os.getloadavg()[0],
                                           "passed": not failures, "failures": failures, "modes": results,
                                           "environment": environment_info(), "torch_version": torch.__version__})

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .tables import markdown_table
+from common.tables import markdown_table
 
 STEP = "step"  # the record_function range around the traced step
 PHASES = ("forward", "backward", "sync", "optimizer")  # the ranges inside it

@@ -36,8 +36,9 @@ import torch.nn.functional as F
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 import tensor_parallel  # noqa: E402
 from pipeline_parallel import Pipeline, StageModule, split_layers  # noqa: E402
-from common.cli import comma_list, non_negative_int, one_of, positive_int, script_parser  # noqa: E402
-from common.distributed import gc_and_destroy_process_group, start_demo  # noqa: E402
+from common.cli import comma_list, non_negative_int, one_of, positive_int  # noqa: E402
+from common.demos import script_parser, start_demo  # noqa: E402
+from common.distributed import gc_and_destroy_process_group  # noqa: E402
 from common.environment import share_cpu_threads  # noqa: E402
 from common.errors import MODEL_OOM_ADVICE, UsageError, run_main  # noqa: E402
 from common.model import PRESETS, LlamaForCausalLM, get_config  # noqa: E402

@@ -29,8 +29,9 @@ from torch.distributed.device_mesh import init_device_mesh
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from tensor_parallel import full_weight, local, local_slice  # noqa: E402
 from train_llm import all_reduce_gradients, clip_grad_norm, compute_loss, split_model  # noqa: E402
-from common.cli import check_seq_length, non_negative_int, one_of, positive_float, positive_int, script_parser  # noqa: E402
-from common.distributed import gc_and_destroy_process_group, start_demo  # noqa: E402
+from common.cli import check_seq_length, non_negative_int, one_of, positive_float, positive_int  # noqa: E402
+from common.demos import script_parser, start_demo  # noqa: E402
+from common.distributed import gc_and_destroy_process_group  # noqa: E402
 from common.errors import MODEL_OOM_ADVICE, UsageError, run_main  # noqa: E402
 from common.model import PRESETS, LlamaForCausalLM, RMSNorm, get_config  # noqa: E402
 from common.proof import adam_ratio_bound, exact_kernels, max_over_ranks  # noqa: E402

@@ -42,9 +42,8 @@ from common.environment import environment_info, exit_with_launcher, set_tf32, s
 from common.errors import UsageError, run_main  # noqa: E402
 from common.masks import build_attention_mask  # noqa: E402
 from common.model import PRESETS, LlamaForCausalLM, describe, flops_per_token, get_config, num_parameters  # noqa: E402
-from common.net_errors import check_network  # noqa: E402
 from common.runfolder import claim_run_folder, save_weights  # noqa: E402
-from common.tracker import Tracker  # noqa: E402
+from common.metrics import Tracker  # noqa: E402
 from common.training import build_optimizer, evaluate, lr_lambda, sample  # noqa: E402
 
 CHAPTER = "06-model-parallel"
@@ -109,7 +108,6 @@ def setup(args):
         torch.cuda.set_device(device)  # else every process would use GPU 0
     if "RANK" in os.environ:
         backend = backend_for(device)  # nccl for GPUs, gloo for CPUs (LLM_GUIDE_BACKEND=gloo: GPUs too)
-        check_network(backend)  # several machines: bad addresses, one line
         dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout),
                                 device_id=device if backend == "nccl" else None)
     if device.type == "cuda":

@@ -27,7 +27,7 @@ from .environment import threads_override
 from .errors import UsageError, fail
 from .model import PRESETS
 from .runfolder import holds_results
-from .summary import baseline_problem
+from .metrics import baseline_problem
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SAVE_DIR = REPO_ROOT / "outputs" if (REPO_ROOT / "pyproject.toml").exists() \
@@ -361,45 +361,6 @@ def check_device(device: str) -> None:
             raise UsageError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s)")
     elif d.type != "cpu":
         raise UsageError(f"--device {device!r} is not supported (auto, cpu, cuda, cuda:N)")
-
-
-def script_parser(name: str, description: str, *, min_world: int = 2,
-                  run_folder: bool = True, training: bool = False) -> Parser:
-    """The flags and checks the demo scripts (chapter 05's, chapter 03's ddp_knobs.py and
-    debug_hang.py) share: torchrun with at least `min_world` processes, --timeout, (if
-    `run_folder`) --save-dir and --experiment-name (default `<name>-<job id>`), and (if
-    `training`) the model and data flags of the scripts that train: --model-preset,
-    --seq-length, --batch-size, --lr, --seed, --dataset-name."""
-    p = Parser(description=description)
-    if training:
-        p.add_argument("--model-preset", default="small", type=one_of(*PRESETS), help="model size")
-        p.add_argument("--seq-length", type=positive_int, default=128, help="tokens per sample")
-        p.add_argument("--batch-size", type=positive_int, default=8, help="samples per step, per process")
-        p.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW learning rate (constant)")
-        p.add_argument("--seed", type=seed_value, default=0, help="initial weights (plus rank), data order")
-        p.add_argument("--dataset-name", default="stdlib", help="'stdlib', a hub id, or a local path")
-        p.checks += [check_seq_length, lambda args: check_data(args.dataset_name)]
-    p.add_argument("--timeout", type=seconds, default=600,
-                   help="seconds a collective may wait for the other ranks before failing")
-    if run_folder:
-        p.add_argument("--save-dir", default=str(DEFAULT_SAVE_DIR), help="parent of the run folder")
-        p.add_argument("--experiment-name", default=None,
-                       help=f"run folder name (default: {name}-<job id>, torchrun's rendezvous id; "
-                            f"{name}-<timestamp> where the job has none)")
-        p.checks.append(lambda args: check_run_folder(args, name))
-
-    def check_torchrun(args):
-        script = Path(sys.argv[0]).resolve()
-        script = script.relative_to(REPO_ROOT) if script.is_relative_to(REPO_ROOT) else sys.argv[0]
-        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-            raise UsageError(f"launch with torchrun, e.g. torchrun --standalone "
-                             f"--nproc-per-node={min_world} {script}")
-        if int(os.environ["WORLD_SIZE"]) < min_world:
-            raise UsageError(f"this needs at least {min_world} processes "
-                             f"(--nproc-per-node={min_world} or more)")
-        check_backend_choice(cuda=torch.cuda.is_available())
-    p.checks.append(check_torchrun)
-    return p
 
 
 def setup_logging(rank: int = 0) -> logging.Logger:

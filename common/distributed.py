@@ -2,7 +2,8 @@
 
 - `DDP_NO_BUFFER_SYNC`: DDP's "do not re-send buffers before every forward" keyword,
   under the name this torch version knows.
-- `first_error`: every rank learns the first rank's error, so all stop together.
+- `first_error`, `stop_on_any_error`, `on_rank0`: every rank learns the first rank's
+  error and all stop together, with one line; `on_rank0` runs a write on rank 0 alone.
 - `init_process_group_for_restarts`: chapter 04's join, safe across torchrun restarts.
 - `gc_and_destroy_process_group`: the teardown that avoids gloo's exit deadlock.
 - `backend_for`, `gpu_sharing_error`: nccl for GPUs, gloo for CPUs, or gloo on GPUs when
@@ -15,19 +16,13 @@ from __future__ import annotations
 import gc
 import inspect
 import os
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from .net_errors import check_network
-
-# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (the old names warn).
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
+from .errors import fail
 
 # Our only buffers are the constant RoPE tables, so DDP need not re-broadcast them before
 # every forward. The flag was renamed (broadcast_buffers -> forward_sync_buffers); the old
@@ -64,12 +59,6 @@ def gpu_sharing_error(choice: str, cuda: bool, processes: int, gpus: int) -> str
     return None
 
 
-def local_gpu(local_rank: int) -> torch.device:
-    """The GPU of the process with this LOCAL_RANK: GPU `local_rank`, or with more processes
-    than GPUs (gloo only, `gpu_sharing_error`) GPU local_rank mod the number of GPUs."""
-    return torch.device("cuda", local_rank % torch.cuda.device_count())
-
-
 def first_error(error: str | None, group=None) -> str | None:
     """Every rank passes its error (or None) and gets the lowest rank's error back. A
     collective: every rank calls it. Without a process group it returns `error`."""
@@ -78,6 +67,30 @@ def first_error(error: str | None, group=None) -> str | None:
     errors = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error, group=group)
     return next((e for e in errors if e), None)
+
+
+def stop_on_any_error(error: str | None, status: int = 2, group=None) -> None:
+    """If any rank passes an error, every rank stops with the lowest rank's, in one line
+    (exit `status`). A collective."""
+    error = first_error(error, group)
+    if error:
+        fail(error, status=status)
+
+
+def on_rank0(work, rank: int, explain, status: int = 2) -> None:
+    """`work()` on rank 0 while the others wait (a collective): a write to rank 0's disk,
+    which the other machines may not share. If it raises an OSError (or torch.save's
+    RuntimeError on a full disk), `explain(error)` gives the line every rank stops with;
+    an error it leaves unexplained (None) is raised as it is."""
+    error = None
+    if rank == 0:
+        try:
+            work()
+        except (OSError, RuntimeError) as e:
+            error = explain(e)
+            if error is None:
+                raise
+    stop_on_any_error(error, status)
 
 
 def patient_group(seconds: float = 4 * 3600):
@@ -93,7 +106,6 @@ def init_process_group_for_restarts(backend: str, timeout: timedelta, **kwargs):
     """init_process_group on a store namespaced by torchrun's restart count. torchrun
     keeps one store across restarts, still holding the dead workers' addresses; without
     the prefix a restarted gloo group tries to reach them and times out (torch 2.13)."""
-    check_network(backend)  # several machines: an unreachable address stops here, in one line
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun hosts it
@@ -112,29 +124,3 @@ def gc_and_destroy_process_group():
         dist.destroy_process_group()
 
 
-@dataclass
-class Demo:
-    """A chapter 05 script's process group: this rank, the world size, the one device
-    whose tensors its collectives may send, and the backend (nccl or gloo)."""
-    rank: int
-    world: int
-    device: torch.device
-    backend: str
-
-
-def start_demo(timeout_s: float) -> Demo:
-    """The chapter 05 scripts' process group: torchrun set RANK, LOCAL_RANK, WORLD_SIZE,
-    MASTER_ADDR and MASTER_PORT; nccl moves GPU memory between GPUs, gloo moves CPU
-    memory over sockets (and, with LLM_GUIDE_BACKEND=gloo, GPU memory through the host).
-    Every tensor a collective sends must live on `Demo.device`: nccl refuses CPU tensors. (The proofs ask for exact kernels
-    themselves, for their duration only: `common.proof.exact_kernels`.)"""
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    kwargs = {}
-    device = local_gpu(local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    backend = backend_for(device)  # gloo on GPUs too when LLM_GUIDE_BACKEND=gloo
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # else every process would use GPU 0
-    if backend == "nccl":
-        kwargs["device_id"] = device
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
-    return Demo(dist.get_rank(), dist.get_world_size(), device, backend)

@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.profiler import ProfilerActivity
 
 from common.errors import UsageError, fail
 
@@ -174,3 +175,15 @@ def share_cpu_threads(device: torch.device | str = "cpu") -> ThreadBudget:
         fail(str(e))
     torch.set_num_threads(threads)
     return ThreadBudget(threads, here)
+
+
+def profiler_activities(device: torch.device) -> list:
+    """What torch.profiler records on `device`: the host's operators, and on a GPU its
+    kernels too. On a CPU the profiler's tracing library (Kineto) would print a `USDT:
+    ... profiler_start` and a `profiler_stop` line per recording, trace markers that read
+    like errors: its log is silenced there (a KINETO_LOG_LEVEL of your own is kept). On a
+    GPU it stays, since there it says when the GPU's activity cannot be recorded."""
+    if device.type == "cuda":
+        return [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # read when a recording starts
+    return [ProfilerActivity.CPU]

@@ -1,8 +1,6 @@
 """How a run stops on an error: one line on stderr, never a traceback from every rank.
 
 - `UsageError`, `fail`: bad flags or an impossible configuration; one line, exit status 2.
-- `fail_on_each_machine`: a setup check each machine makes for itself before the
-  process group exists; one line per machine, exit status 2.
 - `run_main(main)`: around a chapter's main(): Ctrl-C ends it with one line (exit 130), a
   peer or network that stops answering with one line per process (exit 1), and so do a
   batch too large for the device's memory (exit 1, with the flag to change) and a
@@ -14,7 +12,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
-import socket
 import sys
 import time
 import traceback
@@ -73,23 +70,6 @@ def fail(message: str, status: int = 2, *, skip_teardown: bool = False):
     sys.exit(status)
 
 
-def fail_on_each_machine(message: str):
-    """One line per machine (local rank 0 speaks), exit status 2: a setup error that every
-    process of a machine finds alike, before any rank can hear another."""
-    if int(os.environ.get("LOCAL_RANK") or 0) == 0:
-        say_error(f"error: {message}")
-    sys.exit(2)
-
-
-def reachable(host: str, port: int, timeout: float = 2.0) -> bool:
-    """Whether a TCP connection to host:port opens."""
-    try:
-        socket.create_connection((host, port), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
-
-
 # What a failed collective says (gloo, and the c10d store), and what it means.
 TIMED_OUT = ("timed out", "timeout")
 PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe",
@@ -100,43 +80,12 @@ PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pi
 GLOO_UNNAMED = ("application timeout caused pair closure",)
 
 
-def launcher_stuck() -> bool:
-    """True when rank 0's machine (MASTER_ADDR, where torchrun's rendezvous state lives
-    in a one-rendezvous-host setup) no longer answers a TCP connect. torchrun's agent on
-    this machine then waits on that store and does not return (torch 2.13, measured: still
-    blocked in the store's get after 90 s, with --rdzv-conf read_timeout=10), so nothing
-    would end it. Only where the agent hosts that store (TORCHELASTIC_USE_AGENT_STORE,
-    torchrun's default): where rank 0's worker hosts it (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)
-    it is gone as soon as rank 0 has ended, which says nothing of the agent."""
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    if os.environ.get("TORCHELASTIC_RUN_ID") is None or not agent_store:
-        return False
-    return not reachable(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
-
-
-def stop_launcher(pid: int, grace: float = 1.0) -> None:
-    """SIGTERM torchrun's agent; blocked inside the store client it cannot run its
-    handler, so SIGKILL it after a grace period."""
-    os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        time.sleep(0.1)
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-    say_error(f"error: rank {os.environ.get('RANK', '0')}: stopping this machine's torchrun (pid {pid}), "
-              f"which waits on the unreachable rendezvous")
-    os.kill(pid, signal.SIGKILL)
-
-
 @contextmanager
 def explain_peer_failures(resumes: bool = False):
     """A collective that times out (a peer or the network stopped answering) or finds its
     peer gone ends this process with one line and exit status 1; `resumes`: the script
-    resumes from its checkpoints, and the line says so. If the machine holding rank 0 is
-    unreachable, this machine's torchrun is stopped too (SIGTERM, then SIGKILL), since it
-    would wait on that machine's store for minutes."""
+    resumes from its checkpoints, and the line says so. (torchrun itself may then wait on
+    a machine that is gone, at its rendezvous: Ctrl-C ends it.)"""
     try:
         yield
     except RuntimeError as e:  # gloo and store errors are RuntimeError subclasses
@@ -153,19 +102,16 @@ def explain_peer_failures(resumes: bool = False):
         first = str(e).strip().splitlines()[0]
         first = first.split("] ", 1)[-1] if first.startswith("[") else first
         rank = os.environ.get("RANK", "0")
-        stuck = launcher_stuck()
         left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0) - int(
             os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
         resume = "; they resume from the last checkpoint" if resumes else ""
-        if left > 0 and not stuck:  # torchrun --max-restarts: it starts the workers again itself
+        if left > 0:  # torchrun --max-restarts: it starts the workers again itself
             hint = f"; torchrun starts the workers again ({left} restart{'s' if left > 1 else ''} left{resume})"
         else:
             hint = ("; check that every machine is up and the network between them works, then rerun"
                     + (" the same command: it resumes from the last checkpoint" if resumes else ""))
         say_error(f"error: rank {rank}: {what} ({first}){hint}")
         sys.stdout.flush()
-        if stuck:
-            stop_launcher(os.getppid())
         os._exit(1)  # no atexit teardown: it would talk to the peer that is gone
 
 

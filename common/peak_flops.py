@@ -5,14 +5,12 @@ for the matmul precision in use; otherwise a measured one: the best FLOP/s of a 
 sweep of square matmuls in that precision, with the threads this process uses. A
 measurement is cached in the guide's cache folder, keyed by device, precision, torch
 version and (on CPU) thread count, so it runs once per machine and setup
-(`python -m common.peak` shows it, or measures it again).
+(`python -m tools.peak` shows it, or measures it again).
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import re
 import sys
 import time
@@ -23,7 +21,7 @@ import torch
 
 from .data import default_cache_dir
 from .environment import device_name, set_tf32, tf32_enabled
-from .jsonfiles import write_json
+from .files import read_json, write_json
 from .tables import format_flops
 
 # Dense (no structured sparsity) tensor-core peaks in TFLOP/s from NVIDIA's datasheets,
@@ -50,11 +48,6 @@ DATASHEET_TFLOPS: list[tuple[str, dict[str, float]]] = [
 CACHE_FILE = "matmul_peak.json"
 
 
-def peak_label(flops: float, precision: str, source: str) -> str:
-    """e.g. '95.3 GFLOP/s (measured fp32 matmul peak)'."""
-    return f"{format_flops(flops)} ({source} {precision} matmul peak)"
-
-
 @dataclass
 class Peak:
     flops: float        # FLOP/s
@@ -63,7 +56,7 @@ class Peak:
 
     def label(self) -> str:
         """e.g. '95.3 GFLOP/s (measured fp32 matmul peak)'."""
-        return peak_label(self.flops, self.precision, self.source)
+        return f"{format_flops(self.flops)} ({self.source} {self.precision} matmul peak)"
 
 
 def matmul_precision(device: torch.device | str, dtype: str) -> str:
@@ -141,110 +134,44 @@ def measure_matmul_peak(device: torch.device | str, precision: str) -> float:
 
 
 def cache_key(name: str, precision: str, device_type: str) -> str:
-    """Device, precision, torch version, and on CPU the thread count: with several
-    processes per machine (torchrun) each one has fewer threads, so a lower peak."""
+    """Device, precision, torch version, and on a CPU the thread count: with several
+    processes per machine (torchrun) each has fewer threads, so a lower peak."""
     key = f"{name} | {precision} | torch {torch.__version__}"
-    if device_type == "cpu":
-        key += f" | {torch.get_num_threads()} threads"
-    return key
+    return key + (f" | {torch.get_num_threads()} threads" if device_type == "cpu" else "")
 
 
-def read_cache(path: Path) -> dict:
-    try:
-        cache = json.loads(path.read_text())
-    except (OSError, ValueError, RecursionError):
-        return {}  # absent or half-written by a crashed run: measure again
-    return cache if isinstance(cache, dict) else {}  # JSON, but not this cache: measure again
-
-
-def cache_path(cache_dir: str | Path | None = None) -> Path:
+def cache_path(cache_dir=None) -> Path:
     return Path(cache_dir or default_cache_dir()) / CACHE_FILE
 
 
-def cached_peak(device: torch.device, precision: str, cache_dir=None) -> float | None:
-    return cached_record(device, precision, cache_dir).get("flops")
-
-
-def cached_record(device: torch.device, precision: str, cache_dir=None) -> dict:
-    """The cache's entry for this device, precision, torch and thread count: the best
-    peak seen (`flops`), when (`measured`) and under which load (`load`, `cores`)."""
-    key = cache_key(device_name(device), precision, device.type)
-    record = read_cache(cache_path(cache_dir)).get(key, {})
-    flops = record.get("flops") if isinstance(record, dict) else None
-    # a record without a usable peak (edited, another version's) is measured again
-    ok = isinstance(flops, (int, float)) and math.isfinite(flops) and flops > 0
-    return record if ok else {}
-
-
-def machine_load() -> tuple[float | None, int]:
-    """(1-minute load average or None where unknown, CPU cores)."""
-    return (os.getloadavg()[0] if hasattr(os, "getloadavg") else None), (os.cpu_count() or 1)
-
-
-def busy(load: float | None, cores: int) -> bool:
-    """Other programs took CPU time: the load average went above the cores by more than
-    half a core. A run that keeps every core busy itself sits at about `cores`, and its
-    own short spikes (a progress bar, a data worker) must not flag it."""
-    return load is not None and load > cores + 0.5
-
-
-def measured_peak(device: torch.device | str, precision: str, *, remeasure: bool = False,
-                  cache_dir: str | Path | None = None) -> float:
-    """The best peak ever measured here, from the cache. Measured when absent, when
-    `remeasure` is set, or when the best so far was taken on a busy machine and this one
-    is quieter (other work lowers a measurement, so a busy figure must not stay the peak).
-    A new measurement replaces the cached one only if it is higher."""
+def measured_peak(device, precision: str, *, remeasure: bool = False, cache_dir=None) -> float:
+    """This machine's peak in `precision`: from the cache, or measured now (and whenever
+    `remeasure`) and cached. A measurement taken while other work loaded the machine is
+    too low: `python -m tools.peak --remeasure` on an idle machine replaces it."""
     device = torch.device(device)
-    record = cached_record(device, precision, cache_dir)
-    load, cores = machine_load()
-    quieter = busy(record.get("load"), record.get("cores", cores)) and not busy(load, cores)
-    if record.get("flops") and not remeasure and not (device.type == "cpu" and quieter):
-        return record["flops"]
+    path, key = cache_path(cache_dir), cache_key(device_name(device), precision, device.type)
+    cache = read_json(path) if path.is_file() else None
+    cache = cache if isinstance(cache, dict) else {}  # absent, torn or not this cache: measure
+    record = cache.get(key)
+    flops = record.get("flops") if isinstance(record, dict) else None
+    if isinstance(flops, (int, float)) and math.isfinite(flops) and flops > 0 and not remeasure:
+        return flops
     flops = measure_matmul_peak(device, precision)
-    if record.get("flops", 0) >= flops:
-        return record["flops"]
-    path = cache_path(cache_dir)
-    key = cache_key(device_name(device), precision, device.type)
-    record = {"flops": flops, "measured": time.strftime("%Y-%m-%d %H:%M:%S"), "load": load, "cores": cores}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        # re-read: another process may have added its own key meanwhile
-        write_json(path, {**read_cache(path), key: record})
+        cache = read_json(path) if path.is_file() else None  # another process may have added a key
+        write_json(path, {**(cache if isinstance(cache, dict) else {}),
+                          key: {"flops": flops, "measured": time.strftime("%Y-%m-%d %H:%M:%S")}})
     except OSError as e:  # a read-only or full cache: the run's summary matters more
         print(f"warning: the measured matmul peak could not be cached in {path} "
               f"({e.strerror or e}); it is measured again next time", file=sys.stderr, flush=True)
     return flops
 
 
-def device_peak(device: torch.device | str, dtype: str, *,
-                cache_dir: str | Path | None = None) -> Peak:
+def device_peak(device, dtype: str, *, cache_dir=None) -> Peak:
     """The peak MFU is measured against: the datasheet's where known, else measured."""
     precision = matmul_precision(device, dtype)
     flops = datasheet_peak(device_name(device), precision)
     if flops is not None:
         return Peak(flops, precision, "datasheet")
     return Peak(measured_peak(device, precision, cache_dir=cache_dir), precision, "measured")
-
-
-def slower_than_fp32_note(device: torch.device | str, peak: Peak,
-                          cache_dir: str | Path | None = None) -> str | None:
-    """A note when a CPU's measured bf16 matmul peak is below its fp32 one: without bf16
-    instructions it emulates them, and `--dtype fp32` trains faster there."""
-    device = torch.device(device)
-    if device.type != "cpu" or peak.precision != "bf16" or peak.source != "measured":
-        return None
-    fp32 = measured_peak(device, "fp32", cache_dir=cache_dir)
-    if fp32 <= peak.flops:
-        return None
-    return (f"bf16 matmuls on this CPU reach {format_flops(peak.flops)} against fp32's "
-            f"{format_flops(fp32)} (no bf16 instructions: emulated); --dtype fp32 trains faster here")
-
-
-def implausible_mfu_note(mfu: float, peak: Peak) -> str | None:
-    """A note when MFU exceeds 100%: a measured peak taken while other work loaded the
-    device is too low, and stays cached until re-measured."""
-    if mfu <= 1.0:
-        return None
-    return (f"MFU over 100%: the {peak.source} peak ({format_flops(peak.flops)}) is too low"
-            + (" (measured while the device was busy?): re-measure it with "
-               "`python -m common.peak --remeasure`" if peak.source == "measured" else ""))

@@ -1,24 +1,12 @@
-"""How long each phase of a step takes, and the run's tokens/s.
+"""How long each phase of a step takes, and the run's tokens/s (`common.metrics` reads it).
 
 - `PhaseTimer`: how long data / forward / backward / update take in each step. It never
-  waits for the device at a phase boundary: on CUDA each boundary records an event in
-  the stream, and the events are read once per logging window (`StepStats.end_window`).
-- `StepStats`: the steps and the logging windows of a run. The headline tokens/s is
-  uninstrumented wall time over whole windows; the phase split is an estimate (on a GPU
-  the device time between boundaries, which overlaps the host's work). Both leave out
-  the first `warmup` steps: allocator growth, kernel selection and caches make them
-  unrepresentative.
-
-A chapter's loop (through `common.tracker.Tracker`):
-
-    timer, stats = PhaseTimer(device), StepStats()
-    for ...:
-        timer.reset()                      # a step starts
-        with timer.phase("data"): ...      # likewise forward, backward, update
-        stats.add(timer, tokens_per_step)  # no wait for the device
-        if logging:
-            window = stats.end_window()    # one wait for the device per window
-            window.tokens_per_s, window.phase_s
+  waits for the device at a phase boundary: on CUDA each boundary records an event in the
+  stream, and the events are read once per logging window.
+- `StepStats`: the steps and logging windows of a run. The headline tokens/s is the wall
+  time of whole windows; the phase split is an estimate (on a GPU, device time between
+  boundaries, which overlaps the host's work). Both leave out the first `warmup` steps:
+  allocator growth, kernel selection and caches make them unrepresentative.
 """
 
 from __future__ import annotations
@@ -33,8 +21,7 @@ PHASES = ("data", "forward", "backward", "update")
 
 
 class WallClock:
-    """Phase boundaries as host time: right where the work is done when a call returns
-    (CPU)."""
+    """Phase boundaries as host time: where the work is done when a call returns (CPU)."""
 
     def mark(self) -> float:
         return time.perf_counter()
@@ -47,11 +34,10 @@ class WallClock:
 
 
 class CudaEventClock:
-    """Phase boundaries as CUDA events recorded in the current stream. Recording does
-    not wait: the host runs ahead and queues the next kernels. An event's time can be
-    read once the device has passed it, so `seconds` is called only after `sync`."""
+    """Phase boundaries as CUDA events in the current stream. Recording does not wait: the
+    host runs ahead and queues the next kernels; an event is read only after `sync`."""
 
-    def __init__(self, device: torch.device | str):
+    def __init__(self, device):
         self.device = torch.device(device)
 
     def mark(self) -> torch.cuda.Event:
@@ -66,9 +52,9 @@ class CudaEventClock:
         return start.elapsed_time(end) / 1e3  # milliseconds
 
 
-def phase_seconds(clock, marks: list[tuple[str, object, object]]) -> dict[str, float]:
-    """Seconds per phase from (phase, start mark, end mark); a phase entered twice in a
-    step (gradient accumulation) adds up. The clock must have been synced."""
+def phase_seconds(clock, marks) -> dict[str, float]:
+    """Seconds per phase from (phase, start mark, end mark), after a sync; a phase entered
+    twice in a step (gradient accumulation) adds up."""
     times = dict.fromkeys(PHASES, 0.0)
     for name, start, end in marks:
         times[name] = times.get(name, 0.0) + clock.seconds(start, end)
@@ -76,10 +62,9 @@ def phase_seconds(clock, marks: list[tuple[str, object, object]]) -> dict[str, f
 
 
 class PhaseTimer:
-    """Marks the phases of the current step and when the open logging window began.
-    `clock` defaults to CUDA events on a CUDA device, host time elsewhere."""
+    """Marks the phases of the current step and when the open logging window began."""
 
-    def __init__(self, device: torch.device | str = "cpu", clock=None):
+    def __init__(self, device="cpu", clock=None):
         cuda = torch.device(device).type == "cuda"
         self.clock = clock or (CudaEventClock(device) if cuda else WallClock())
         self.marks: list[tuple[str, object, object]] = []
@@ -99,16 +84,9 @@ class PhaseTimer:
         finally:
             self.marks.append((name, start, self.clock.mark()))
 
-    @property
-    def times(self) -> dict[str, float]:
-        """This step's seconds per phase. On CUDA this waits for the device: once per
-        logged step at most (`StepStats.end_window` reads a whole window with one wait)."""
-        self.clock.sync()
-        return phase_seconds(self.clock, self.marks)
-
     def end_window(self) -> float:
-        """Wall seconds since the window began, after the device has finished the
-        window's work (the one wait); the next `reset` opens a new window."""
+        """Wall seconds since the window began, after the device finished its work (the
+        window's one wait); the next `reset` opens a new window."""
         self.clock.sync()
         start, self.window_start = self.window_start, None
         return 0.0 if start is None else time.perf_counter() - start
@@ -129,11 +107,9 @@ class Window:
 
 class StepStats:
     """Per-step phase times and token counts, and the logging windows' wall times.
-
-    `add(timer, tokens)` keeps the step's marks unread; `end_window()` reads them all
-    with one wait for the device and times the window. `add(times_dict, tokens)` (phase
-    seconds already read) still works; without windows, tokens/s falls back to the sum
-    of phase times."""
+    `add(timer, tokens)` keeps a step's marks unread until `end_window()` reads them all
+    with one wait; `add(times, tokens)` takes phase seconds already read (no windows:
+    tokens/s is then the sum of the phase times)."""
 
     def __init__(self, warmup: int = 2):
         self.warmup = warmup
@@ -141,7 +117,7 @@ class StepStats:
         self.windows: list[tuple[int, Window]] = []   # (index of its first step, window)
         self.timer: PhaseTimer | None = None
         self.unread: list[tuple[dict, list]] = []     # (times to fill in, marks)
-        self.window_first = 0                         # index of the open window's first step
+        self.window_first = 0
 
     def add(self, timer_or_times, tokens: int):
         if isinstance(timer_or_times, PhaseTimer):
@@ -151,11 +127,9 @@ class StepStats:
             times = dict(timer_or_times)
         self.steps.append((times, tokens))
         if self.timer is not None and len(self.steps) == self.warmup:
-            self.end_window()  # one extra wait, so that no window mixes warm-up and measured steps
+            self.end_window()  # one extra wait: no window mixes warm-up and measured steps
 
     def read_times(self, synced: bool = False):
-        """Fill in the phase times of steps added from the timer (waits for the device
-        unless it was just synced)."""
         if self.unread:
             if not synced:
                 self.timer.clock.sync()
@@ -164,13 +138,12 @@ class StepStats:
             self.unread = []
 
     def end_window(self) -> Window:
-        """Close the window of steps added since the last call: its wall time (one wait
-        for the device) and mean phase times. Call it at every logged step and after
-        the last step: steps of a window never closed count in the phase split only."""
+        """Close the window of the steps added since the last call (at every logged step
+        and after the last step): its wall time and mean phase times."""
         steps = self.steps[self.window_first:]
         if not steps and self.windows:
             return self.windows[-1][1]  # closed already, at the end of the warm-up
-        if self.timer is None:          # steps added as dicts: no wall time, phase sums
+        if self.timer is None:
             return Window(len(steps), sum(n for _, n in steps),
                           sum(sum(t.values()) for t, _ in steps), mean_times(steps))
         wall = self.timer.end_window()
@@ -182,12 +155,11 @@ class StepStats:
         return window
 
     def measured(self):
-        # leave warm-up steps out, unless that would leave nothing
+        """The steps after the warm-up, unless that would leave none."""
         self.read_times()
         return self.steps[self.warmup:] if len(self.steps) > self.warmup else self.steps
 
     def measured_windows(self) -> list[Window]:
-        """Windows that hold no warm-up step, unless that would leave nothing."""
         late = [w for first, w in self.windows if first >= self.warmup]
         return late or [w for _, w in self.windows]
 
@@ -197,12 +169,9 @@ class StepStats:
         return out
 
     def wall_time_per_step(self) -> float:
-        """Mean wall seconds of a measured step; the phase sum when no window closed."""
         windows = self.measured_windows()
         steps = sum(w.steps for w in windows)
-        if steps:
-            return sum(w.wall_s for w in windows) / steps
-        return self.mean_phase_times()["total"]
+        return sum(w.wall_s for w in windows) / steps if steps else self.mean_phase_times()["total"]
 
     def tokens_per_s(self) -> float:
         windows = self.measured_windows()
@@ -214,7 +183,7 @@ class StepStats:
         return sum(n for _, n in steps) / total_time if total_time > 0 else 0.0
 
 
-def mean_times(steps: list[tuple[dict, int]]) -> dict[str, float]:
+def mean_times(steps) -> dict[str, float]:
     """Mean seconds per phase over (times, tokens) steps; zeros for no steps."""
     if not steps:
         return dict.fromkeys(PHASES, 0.0)

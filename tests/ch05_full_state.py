@@ -1,6 +1,6 @@
 """Not a test: launched with torchrun over gloo on CPUs by tests/test_ch05_dcp.py. The
 gather that chapter 05's proofs use where torch's own crashes (gloo with CUDA tensors,
-common/proof.py) must give what torch's gives: every parameter's `full_tensor`, shards of
+05-collectives/proof.py) must give what torch's gives: every parameter's `full_tensor`, shards of
 uneven and empty size, and the whole state of an FSDP2 model and its AdamW after a step,
 keys, dtypes and values exactly. Prints "same: N tensors" and exits 0, or says what
 differs and exits 1."""
@@ -15,8 +15,12 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from torch.utils._pytree import tree_flatten_with_path, keystr
 
 from common.model import LlamaForCausalLM, get_config
-from common.proof import full_state, full_tensor, gathers_through_functional_collectives
 from common.training import build_optimizer
+from conftest import chapter_module
+
+proof = chapter_module("05-collectives", "proof")
+full_state, full_tensor = proof.full_state, proof.full_tensor
+gathers_through_functional_collectives = proof.gathers_through_functional_collectives
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()

@@ -107,7 +107,7 @@ def one_rank_group():
     that `common.distributed.start_demo` would return."""
     import torch
     import torch.distributed as dist
-    from common.distributed import Demo
+    from common.demos import Demo
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     torch.set_num_threads(1)
     yield Demo(0, 1, torch.device("cpu"), "gloo")
@@ -197,8 +197,23 @@ def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
 
 
+def chapter_on_path(chapter: str) -> None:
+    """A chapter's folder on the path, as when its scripts run: the modules beside them
+    import by their plain names (`import proof`)."""
+    if str(REPO / chapter) not in sys.path:
+        sys.path.insert(0, str(REPO / chapter))
+
+
+def chapter_module(chapter: str, name: str):
+    """A module beside a chapter's scripts (05-collectives/proof.py, say)."""
+    chapter_on_path(chapter)
+    return importlib.import_module(name)
+
+
 def load_script(rel_path: str):
-    """A chapter script as a module (its folder name has a dash, so no plain import)."""
+    """A chapter script as a module (its folder name has a dash, so no plain import),
+    with its folder on the path, as when it runs, for the modules beside it."""
+    chapter_on_path(str(Path(rel_path).parent))
     name = rel_path.replace("/", "_").replace("-", "_").removesuffix(".py")
     spec = importlib.util.spec_from_file_location(name, REPO / rel_path)
     module = importlib.util.module_from_spec(spec)

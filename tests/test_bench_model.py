@@ -1,5 +1,5 @@
 """The benchmark's training step trains, and the benchmark reports MFU against the
-device's peak. (Speed is a benchmark figure, printed by `python -m common.bench_model`,
+device's peak. (Speed is a benchmark figure, printed by `python -m tools.bench_model`,
 never asserted here. That torch.compile trains what eager trains is proven once, on the
 path users run: test_ch01_single.py's --compile test, whose compiled function is, like
 the benchmark's, the model and the loss as one graph.)"""
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.bench_model import loss_of, main, make_optimizer, train_step
-from common.jsonfiles import write_json
+from tools.bench_model import loss_of, main, make_optimizer, train_step
+from common.files import write_json
 from common.model import LlamaForCausalLM, get_config
 
 VOCAB = 97

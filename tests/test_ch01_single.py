@@ -18,7 +18,7 @@ from torch.utils.data import DistributedSampler
 from common.data import IGNORE_INDEX
 from common.masks import build_attention_mask
 from common.model import LlamaForCausalLM, get_config
-from common.summary import throughput_table
+from common.metrics import throughput_table
 from common.training import build_optimizer, evaluate
 from conftest import CH01_STEPS, NO_GPU, REPO, SMALL_CORPUS_FLAGS, TINY, load_script, python_cmd, \
     read_json, read_jsonl, refused, run, shuffled_epochs, small_corpus, training_order

@@ -25,15 +25,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from common.checkpoint_folder import RUN_DEFINING_FLAGS, run_settings, settings_mismatch, unchanged_on_error
 from common.data import worker_start_method
-from common.durable import read_manifest, sha256_of
+from common.files import sha256_of, verify_manifest
 from conftest import REPO, load_script, run, torchrun_cmd
 from warm import children, running
 
 ch04 = load_script("04-checkpointing/train_llm.py")  # puts its folder on sys.path
 import checkpoint  # noqa: E402  the chapter's lesson module, beside the script
 import preemption  # noqa: E402
+from checkpoint import RUN_DEFINING_FLAGS, run_settings, settings_mismatch, unchanged_on_error  # noqa: E402
 
 PR_SET_CHILD_SUBREAPER = 36  # prctl: orphaned descendants are adopted by this process
 
@@ -115,7 +115,7 @@ def test_a_save_reads_nothing_back_and_its_checksum_is_the_files(tmp_path):
     path = save(state, tmp_path)
     read, size = bytes_read() - before, (path / "state.pt").stat().st_size
     assert size > 300_000 and read < size / 100, (read, size)
-    assert read_manifest(path)["sha256"] == {"state.pt": sha256_of(path / "state.pt")}
+    assert verify_manifest(path, names=())["sha256"] == {"state.pt": sha256_of(path / "state.pt")}
 
 
 def test_another_runs_settings_are_refused_by_name_before_loading(tmp_path, capsys):
@@ -187,7 +187,7 @@ def test_uncommitted_folders_beyond_latest_are_not_candidates(tmp_path):
 def test_an_atomic_write_that_fails_leaves_the_old_file_whole(tmp_path):
     """model.pt and the other final files: a failed write (a full disk) keeps the old
     file, and leaves no temporary file behind."""
-    from common.durable import atomic_write
+    from common.files import atomic_write
 
     target = tmp_path / "model.pt"
     atomic_write(target, lambda f: f.write(b"old"))
@@ -211,7 +211,7 @@ def test_the_resumable_sampler_starts_mid_epoch_in_the_same_order():
 
 def test_run_settings_name_the_flags_the_data_and_the_format():
     args = argparse.Namespace(**{k: k for k in RUN_DEFINING_FLAGS})
-    s = run_settings(args, "bf16", 16, "abc", checkpoint.FORMAT_VERSION)
+    s = run_settings(args, "bf16", 16, "abc")
     assert s["global batch"] == 16 and s["data fingerprint"] == "abc" and s["dtype"] == "bf16"
     assert s["format version"] == checkpoint.FORMAT_VERSION
     # the README's list: lr, preset, vocabulary, sequence length, dataset, seed, schedule length
@@ -546,7 +546,6 @@ def test_the_readme_quotes_the_lost_peer_line_the_code_prints(capsys, monkeypatc
     kwargs = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
     for name, value in {"RANK": "0", "TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_RESTART_COUNT": "0"}.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr("common.errors.launcher_stuck", lambda: False)
     monkeypatch.setattr("common.errors.os._exit", lambda status: sys.exit(status))
     gloo = DistError("Connection closed by peer [127.0.0.1]:38602. This is typically caused by a remote worker "
                      "crashing. Check the logs of the remote worker before reporting an error. GLHF! 🏖️")

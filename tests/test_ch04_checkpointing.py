@@ -14,9 +14,8 @@ import torch
 
 from ch04_runs import (CRASH, FREQ, NAME, SCRIPT, STEPS, assert_same_as_uninterrupted, copy_run, flags,
                        kill_job, snapshot, start_job, step_dir, train)
-from common.checkpoint_folder import run_settings
 from common.data import build_datasets
-from common.durable import write_manifest
+from common.files import write_manifest
 from conftest import SMALL_CORPUS_FLAGS, load_script, python_cmd, read_json, read_jsonl, run, shuffled_epochs, \
     small_corpus, torchrun_cmd, training_order
 
@@ -231,9 +230,10 @@ def test_loading_never_unpickles_code(tmp_path):
     evil.mkdir()
     torch.save({"step": 1, "payload": RunsCode(marker)}, evil / "state.pt")
     ch04 = load_script(SCRIPT)
+    from checkpoint import run_settings  # beside the script, on the path since it was loaded
     args = ch04.parse_args([*map(str, flags(tmp_path / "out"))])
     data = build_datasets("stdlib", 64)  # the cached corpus: the settings match
-    write_manifest(evil, {"settings": run_settings(args, "fp32", 4, data.fingerprint, ch04.FORMAT_VERSION)})
+    write_manifest(evil, {"settings": run_settings(args, "fp32", 4, data.fingerprint)})
 
     proc = run(python_cmd(SCRIPT, *flags(tmp_path / "out", "--resume-from", evil)), check=False)
     assert proc.returncode == 2

@@ -15,9 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, load_script, python_cmd, read_json, run, torchrun_cmd
-from common import sharding, timeline, tour
+from conftest import REPO, chapter_module, load_script, python_cmd, read_json, run, torchrun_cmd
+from tools import tour
 from common.data import DEFAULT_VOCAB_SIZE
+sharding = chapter_module("05-collectives", "sharding")
+timeline = chapter_module("05-collectives", "timeline")
 
 CH = "05-collectives"
 DEMO, BENCH, SCRATCH = f"{CH}/collectives_demo.py", f"{CH}/bench_collectives.py", f"{CH}/ddp_from_scratch.py"
@@ -76,7 +78,7 @@ def test_buckets_are_reversed_capped_and_cover_every_parameter():
 
 
 def test_max_relative_difference_is_per_tensor_norm():
-    from common.proof import max_relative_difference
+    max_relative_difference = chapter_module("05-collectives", "proof").max_relative_difference
 
     a = [torch.tensor([3.0, -4.0]), torch.tensor([0.5])]
     assert max_relative_difference(a, a) == 0.0
@@ -331,7 +333,8 @@ def test_the_proof_bound_catches_a_real_bug():
     above the one-step bound on 4 ranks, though Adam divides each gradient by its own
     running size (only its eps notices the scale)."""
     from common.model import LlamaForCausalLM, get_config
-    from common.proof import adam_step_bound, max_abs_difference
+    proof = chapter_module("05-collectives", "proof")
+    adam_step_bound, max_abs_difference = proof.adam_step_bound, proof.max_abs_difference
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(get_config("tiny", 300)).double()

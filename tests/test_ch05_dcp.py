@@ -21,7 +21,7 @@ from conftest import free_port, load_script, run, run_folder_held, torchrun_cmd
 
 SCRIPT = "05-collectives/sharded_checkpoint.py"
 ckpt = load_script(SCRIPT)
-from common.durable import sha256_of  # noqa: E402
+from common.files import sha256_of  # noqa: E402
 from common.model import get_config  # noqa: E402
 TINY = ["--model-preset", "tiny", "--seq-length", "32", "--batch-size", "2", "--steps", "2"]
 STEP = "step-00000002"
@@ -76,7 +76,7 @@ def test_loaded_on_three_ranks_every_tensor_equals_the_saved_state(saved, tmp_pa
 
 
 def test_the_proofs_own_gather_equals_torchs_on_three_ranks():
-    """Over gloo with CUDA tensors torch's DTensor gather crashes (common/proof.py), so the
+    """Over gloo with CUDA tensors torch's DTensor gather crashes (05-collectives/proof.py), so the
     proofs gather fully_shard's shards themselves there. On CPUs both work: ours must give
     what torch's gives, for shards of uneven and empty size and for the whole state."""
     proc = run(torchrun_cmd(3, Path(__file__).parent / "ch05_full_state.py"))

@@ -17,10 +17,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import load_script
+from conftest import chapter_module, load_script
 
-from common import proof, sharding  # noqa: E402
 from common.environment import set_tf32, tf32_enabled  # noqa: E402
+proof = chapter_module("05-collectives", "proof")
+sharding = chapter_module("05-collectives", "sharding")
 
 demo_script = load_script("05-collectives/collectives_demo.py")
 bench = load_script("05-collectives/bench_collectives.py")
@@ -57,7 +58,7 @@ def group(one_rank_group, monkeypatch):
     for name in COLLECTIVES:
         if hasattr(dist, name):
             monkeypatch.setattr(dist, name, recorded(name, getattr(dist, name)))
-    for name in ("all_gather_single", "reduce_scatter_single"):  # bound when common.sharding loaded
+    for name in ("all_gather_single", "reduce_scatter_single"):  # bound when sharding.py loaded
         monkeypatch.setattr(sharding, name, recorded(name, getattr(sharding, name)))
     yield demo, sent
 

@@ -1,7 +1,7 @@
 """Chapter 05, sharding: ZeRO-1, ZeRO-3 and FSDP2 end with DDP's weights (bit for bit on
 2 ranks; on 3 and 4, within the bound that summation order allows, derived from fp64's
 rounding, lr, the steps and AdamW's eps, even at a large --lr), hold 1/N of the optimizer
-state, and send the bytes the textbook says, which `python -m common.plan` computes to
+state, and send the bytes the textbook says, which `python -m tools.plan` computes to
 the byte; the shard layout keeps weight decay per element; ZeRO-3 holds a module whole
 only while it computes; a wrong weight or a wrong update fails the proof; each phase is
 announced; bad flags exit 2."""
@@ -15,12 +15,14 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, load_script, python_cmd, read_json, run, run_folder_held, torchrun_cmd
+from conftest import REPO, chapter_module, load_script, python_cmd, read_json, run, run_folder_held, torchrun_cmd
 
 SCRIPT = "05-collectives/sharded_from_scratch.py"
 sharded = load_script(SCRIPT)
-from common import plan, proof, sharding, tour  # noqa: E402
+from tools import plan, tour  # noqa: E402
 from common.model import LlamaConfig  # noqa: E402
+proof = chapter_module("05-collectives", "proof")
+sharding = chapter_module("05-collectives", "sharding")
 
 TINY = ["--model-preset", "tiny", "--seq-length", "32", "--batch-size", "2"]
 # The proof runs --proof-steps 3 fp64 steps (the default). The timed phase is asserted
@@ -234,7 +236,7 @@ def test_bad_flags_exit_2_as_a_process(tmp_path):
 # ------------------------------------------------------------------ the proof
 
 def assert_the_plan_matches(result):
-    """`python -m common.plan` on the run's model and world (fp32, as the CPU runs time)
+    """`python -m tools.plan` on the run's model and world (fp32, as the CPU runs time)
     says to the byte what every mode held per rank (the worst rank: padding and AdamW's
     step counters included) and sent per step, kind by kind."""
     model, world = plan.llama(LlamaConfig(**result["model_config"])), result["world_size"]

@@ -8,8 +8,9 @@ import json
 
 import pytest
 
-from common import timeline, tour
-from conftest import load_script, read_json, run, torchrun_cmd
+from tools import tour
+from conftest import chapter_module, load_script, read_json, run, torchrun_cmd
+timeline = chapter_module("05-collectives", "timeline")
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 SCRIPT = "05-collectives/overlap_timeline.py"
@@ -152,7 +153,7 @@ def test_the_picture_says_what_its_percentages_count(tmp_path, monkeypatch):
     import matplotlib.figure
     from argparse import Namespace
 
-    from common.distributed import Demo
+    from common.demos import Demo
     drawn = []
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: drawn.append(fig))
     phases = [("forward", 0.0, 3.0), ("backward", 3.0, 8.0), ("optimizer", 8.0, 9.0)]

@@ -19,10 +19,10 @@ import pytest
 import torch
 
 import common.data as data
-from common.data import (BOT, EOT, IGNORE_INDEX, PAD, DataError, Documents, PackedDataset,
+from common.data import (BOT, EOT, IGNORE_INDEX, PAD, SPECIAL_TOKENS, DataError, Documents, PackedDataset,
                          PaddedDataset, build_datasets, check_enough_samples, get_tokenizer,
-                         load_corpus, load_tokenizer, open_corpus, special_ids, split_mask,
-                         stdlib_files, token_cache_path, token_dtype, token_files)
+                         load_tokenizer, open_corpus, split_mask, stdlib_files, token_cache_path,
+                         token_dtype, token_files)
 from conftest import REPO, TINY, free_port, python_cmd, run
 
 VOCAB = 300
@@ -48,7 +48,16 @@ def write_files(root, files: dict[str, str]):
 
 
 def docs_of(ids: list[list[int]], eot: int = 0) -> Documents:
-    return Documents.from_lists(ids, eot)
+    """In memory, each document followed by `eot`."""
+    tokens = np.array([t for d in ids for t in [*d, eot]], dtype=np.int64)
+    return Documents(tokens, np.cumsum([0] + [len(d) + 1 for d in ids]).astype(np.int64))
+
+
+def load_corpus(name: str, **kwargs):
+    """The corpus with its text read and checked now."""
+    corpus = open_corpus(name, **kwargs)
+    corpus.dataset  # noqa: B018 (reads it)
+    return corpus
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +174,7 @@ def test_unreachable_hub_fails_fast_with_one_line(monkeypatch):
 
 def test_tokenizer_has_special_tokens_and_round_trips(tokenizer):
     tok, path = tokenizer
-    ids = special_ids(tok)
+    ids = dict(zip(("pad", "bot", "eot"), (tok.token_to_id(t) for t in SPECIAL_TOKENS)))
     assert len(set(ids.values())) == 3 and None not in ids.values()
     assert tok.id_to_token(ids["pad"]) == PAD and tok.id_to_token(ids["eot"]) == EOT
     assert tok.get_vocab_size() <= VOCAB
@@ -232,7 +241,7 @@ def test_token_files_hold_each_split_in_corpus_order_and_are_reused(corpus, toke
                        (val, [t for t, v in zip(texts, is_val) if v])):
         assert isinstance(docs.tokens, np.memmap) and docs.tokens.dtype == np.dtype(dtype)
         assert isinstance(docs.offsets, np.memmap) and docs.offsets.dtype == np.int64
-        assert [tok.decode(docs.document(i).tolist()) for i in range(len(docs))] == want
+        assert [tok.decode(docs.tokens[a: b - 1].tolist()) for a, b in zip(docs.offsets, docs.offsets[1:])] == want
         assert (docs.tokens[docs.offsets[1:] - 1] == eot).all()  # [EOT] closes every document
         assert (folder / f"{'val' if docs is val else 'train'}.bin").stat().st_size == \
             len(docs.tokens) * np.dtype(dtype).itemsize
@@ -252,7 +261,7 @@ def test_token_dtype_is_the_narrowest_that_holds_every_id():
 
 def test_a_cached_corpus_is_not_read_again(corpus_dir, tmp_path, monkeypatch):
     build_datasets(str(corpus_dir), seq_len=16, vocab_size=VOCAB, cache_dir=tmp_path)
-    monkeypatch.setattr(data, "_read_local", None)  # any read of the text fails
+    monkeypatch.setattr(datasets, "load_dataset", None)  # any read of the text fails
     d = build_datasets(str(corpus_dir), seq_len=16, vocab_size=VOCAB, cache_dir=tmp_path)
     assert d.num_documents == len(DOCS)
 
@@ -316,7 +325,7 @@ def test_build_datasets_offline_from_a_local_folder(corpus_dir, tmp_path, packed
                        cache_dir=tmp_path, val_fraction=0.25)
     assert d.vocab_size == d.tokenizer.get_vocab_size() <= VOCAB
     assert d.num_documents == len(DOCS)
-    assert (d.pad_id, d.bot_id, d.eot_id) == tuple(special_ids(d.tokenizer).values())
+    assert [d.pad_id, d.bot_id, d.eot_id] == [d.tokenizer.token_to_id(t) for t in (PAD, BOT, EOT)]
     x, y = d.train[0]
     assert x.shape == y.shape == (16,)
     if packed:
@@ -346,15 +355,13 @@ def test_too_small_datasets_are_refused(corpus_dir, tmp_path):
 def test_unreadable_local_files_are_one_line_data_errors(tmp_path, name, content, message):
     """The DataError is the only word: `datasets` logs nothing of its own before it (its
     JSON builder logged 'Failed to load JSON from file ...' on stderr)."""
-    from common.data import DataError, load_corpus
-
     path = tmp_path / name
     path.write_bytes(content)
     with pytest.raises(DataError) as err:
         load_corpus(str(path))
     assert message in str(err.value) and "\n" not in str(err.value)
     if name.endswith(".jsonl"):  # datasets' own log handler, as a chapter's process has it
-        code = (f"from common.data import DataError, load_corpus\ntry:\n    load_corpus({str(path)!r})\n"
+        code = (f"from common.data import DataError, open_corpus\ntry:\n    open_corpus({str(path)!r}).dataset\n"
                 f"except DataError:\n    pass")
         proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
         assert proc.returncode == 0 and proc.stderr == "", proc.stderr
@@ -376,7 +383,7 @@ def test_a_cache_that_cannot_be_written_is_one_line_and_leaves_nothing(corpus_di
     def read_only(*a, **k):
         raise OSError(30, "Read-only file system")
     with monkeypatch.context() as m:
-        m.setattr(data.tempfile, "mkstemp", read_only)
+        m.setattr("common.files.fsync_write", read_only)  # the tokenizer's atomic write
         with pytest.raises(DataError, match="cannot be written .Read-only file system.") as err:
             build_datasets(str(corpus_dir), 16, vocab_size=VOCAB, cache_dir=tmp_path / "ro")
         one_line(err)
@@ -385,6 +392,7 @@ def test_a_cache_that_cannot_be_written_is_one_line_and_leaves_nothing(corpus_di
     real_fsync = data.os.fsync
     def disk_full(fd):
         raise OSError(28, "No space left on device")
+    get_tokenizer(open_corpus(str(corpus_dir)), VOCAB, cache_dir=tmp_path / "full")  # in place before
     with monkeypatch.context() as m:
         m.setattr(data.os, "fsync", disk_full)   # the token files' own fsync fails
         with pytest.raises(DataError, match="cannot be written .No space left on device.") as err:
@@ -410,34 +418,11 @@ def test_a_disk_that_fills_while_a_local_corpus_is_tokenized_is_one_line(tmp_pat
     assert len(left) == 1 and left[0].startswith("tokenizer-"), left
 
 
-def test_a_killed_builds_leftovers_are_removed_by_the_next_build(tmp_path):
-    """A build killed without its `finally` (SIGKILL, a SIGTERM's default end) leaves its
-    temporary folder, scratch included: the next build on this host removes it once its
-    process is gone; one whose process lives (or of another host) stays."""
-    import socket
-    import subprocess
-    import sys
-
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()
-    host, cache = socket.gethostname(), tmp_path / "cache"
-    dead = cache / f".tmp-tokens-0123456789abcdef-{host}-{gone.pid}-k1ll3d_x"
-    alive = cache / f".tmp-tokens-0123456789abcdef-{host}-{os.getpid()}-4l1ve_xx"
-    elsewhere = cache / f".tmp-tokens-0123456789abcdef-not-{host}-{gone.pid}-0th3r_xx"
-    for d in (dead, alive, elsewhere):
-        (d / "scratch").mkdir(parents=True)
-        (d / "scratch" / "ids.arrow").write_bytes(b"\0" * 1000)
-    corpus = tmp_path / "c.txt"
-    corpus.write_text("def f(x):\n    return x + 1\n" * 50)
-    build_datasets(str(corpus), 16, vocab_size=300, cache_dir=cache)
-    assert not dead.exists() and alive.exists() and elsewhere.exists()
-
-
 @pytest.mark.parametrize("umask", [0o022, 0o077])
 def test_the_cache_has_the_modes_the_umask_gives(tmp_path, umask):
-    """Built under temporary names (`tempfile`: owner only), the tokenizer and the token
-    folder end with the modes a plain write would give them: under umask 022 another user
-    sharing the cache reads them; under 077 nobody else does."""
+    """Built under temporary names, the tokenizer and the token folder end with the modes
+    a plain write gives them: under umask 022 another user sharing the cache reads them;
+    under 077 nobody else does."""
     corpus = tmp_path / "c.txt"
     corpus.write_text("def f(x):\n    return x + 1\n" * 50)
     before = os.umask(umask)
@@ -497,10 +482,10 @@ def test_datasets_memory_map_the_token_files_and_hold_no_copy(tmp_path):
     """Both forms over ~20 M synthetic tokens (40 MB of token files): the datasets hold
     memory-maps and nothing per document, this process's resident memory grows by a
     small fraction of the files, and a DataLoader worker that is spawned gets the file
-    names, not the tokens. (python -m common.data_memory measures whole runs.)"""
+    names, not the tokens. (python -m tools.data_memory measures whole runs.)"""
     import pickle
 
-    from common.data_memory import current_rss_mb, synthetic_corpus
+    from tools.data_memory import current_rss_mb, synthetic_corpus
 
     corpus_file, tok_file = synthetic_corpus(tmp_path, 20_000_000)
     files_mb = sum(p.stat().st_size for p in tmp_path.glob("cache/tokens-*/*.bin")) / 2**20
@@ -523,14 +508,14 @@ def test_datasets_memory_map_the_token_files_and_hold_no_copy(tmp_path):
 
 
 def test_a_workers_own_memory_is_told_apart_from_the_file_pages_it_maps(tmp_path):
-    """python -m common.data_memory's poller on two forked children, as it follows
+    """python -m tools.data_memory's poller on two forked children, as it follows
     DataLoader workers: one reads a 64 MB file through a memory-map, the other allocates
     64 MB. Both peaks grow; only the second's own (anonymous) memory does."""
     import mmap
     import os
     import threading
 
-    from common.data_memory import _workers_peak
+    from tools.data_memory import _workers_peak
     tokens = tmp_path / "tokens.bin"
     tokens.write_bytes(np.random.default_rng(0).integers(0, 255, 64 << 20, dtype=np.uint8).tobytes())
 
@@ -569,31 +554,21 @@ def test_a_workers_own_memory_is_told_apart_from_the_file_pages_it_maps(tmp_path
     assert o["anon"] > r["anon"] + 50, (r, o)                        # the allocation: its own
 
 
-def test_a_large_local_corpus_is_tokenized_by_processes_with_a_progress_bar(corpus, tokenizer, tmp_path,
-                                                                           monkeypatch, capfd):
+def test_a_local_corpus_is_tokenized_into_the_scratch_folder_with_a_bar_where_watched(
+        corpus, tokenizer, tmp_path, monkeypatch, capfd):
+    """One batched map in this process (tokenizers' encode_batch spreads a batch over the
+    cores): the tokenizer's ids in corpus order, written into the scratch folder on the
+    cache's disk, not into datasets' own cache; a progress bar only where someone watches."""
     tok, _ = tokenizer
-    calls, real_map = [], datasets.Dataset.map
-
-    def spy(self, *a, **k):
-        calls.append(k.get("num_proc"))
-        return real_map(self, *a, **k)
-
-    monkeypatch.setattr(datasets.Dataset, "map", spy)
     (tmp_path / "one").mkdir(), (tmp_path / "two").mkdir()
-    # show_progress patched, not LLM_GUIDE_PROGRESS set: datasets' map with num_proc puts a
-    # deep copy in place of os.environ (datasets 5.2, arrow_dataset.py), so monkeypatch's
-    # undo would restore the old object and the variable would outlive the test
-    monkeypatch.setattr(data, "show_progress", lambda: False)
-    one = data.tokenize_corpus(corpus, tok, tmp_path / "one", num_proc=2)  # a few bytes: one process
+    one = data.tokenize_corpus(corpus, tok, tmp_path / "one")
     assert "tokenizing" not in capfd.readouterr().err               # nobody watches: no bar
-    monkeypatch.setattr(data, "TEXT_PER_PROCESS", 1)                        # as if it were large
-    monkeypatch.setattr(data, "show_progress", lambda: True)                 # as the tour asks
-    two = data.tokenize_corpus(corpus, tok, tmp_path / "two", num_proc=2)
-    assert calls == [None, 2]
-    assert two["ids"] == one["ids"]                                 # the same ids, in order
+    monkeypatch.setenv("LLM_GUIDE_PROGRESS", "1")                   # as the tour asks
+    two = data.tokenize_corpus(corpus, tok, tmp_path / "two")
     assert "tokenizing" in capfd.readouterr().err                   # tqdm's bar, on stderr
-    assert sorted(p.name for p in (tmp_path / "two").iterdir()) == [
-        "ids_00000_of_00002.arrow", "ids_00001_of_00002.arrow"]     # each process's shard
+    want = [e.ids for e in tok.encode_batch(corpus.dataset["text"], add_special_tokens=False)]
+    assert one["ids"] == two["ids"] == want
+    assert [p.name for p in (tmp_path / "two").iterdir()] == ["ids.arrow"]
 
 
 @pytest.mark.parametrize("argv, said", [
@@ -604,10 +579,10 @@ def test_a_large_local_corpus_is_tokenized_by_processes_with_a_progress_bar(corp
     (["--nproc-per-node", "0"], "argument --nproc-per-node"),
 ])
 def test_data_memory_refuses_bad_input_before_any_run(tmp_path, capsys, argv, said):
-    """python -m common.data_memory: a missing --work-dir, a corpus too small for chapter
+    """python -m tools.data_memory: a missing --work-dir, a corpus too small for chapter
     03's batch on every rank, no steps or no ranks stop at parsing (one line, exit status
     2), not with a traceback or a failed torchrun after the first corpus was written."""
-    from common.data_memory import main
+    from tools.data_memory import main
     with pytest.raises(SystemExit) as exit_:
         main([a.format(tmp=tmp_path) for a in argv])
     assert exit_.value.code == 2
@@ -696,11 +671,13 @@ def test_a_lone_file_gets_validation_and_says_when_its_vocabulary_is_smaller(tmp
 
 
 @pytest.mark.parametrize("suffix, good, bad", [(".txt", "fine\n", bytes(range(128, 256)) * 20),
-                                               (".jsonl", '{"text": "fine"}\n', b'{"text": "a"}\n{bad\n')],
-                         ids=["txt", "jsonl"])
+                                               (".jsonl", '{"text": "fine"}\n', b'{"text": "a"}\n{bad\n'),
+                                               (".jsonl", '{"text": "fine"}\n', b'{"text": "\xff\xfe"}\n')],
+                         ids=["txt", "jsonl", "jsonl-not-utf8"])
 def test_an_unreadable_file_of_a_folder_is_named(tmp_path, suffix, good, bad):
     """A folder with one file that is not text (or not JSON lines) among good ones: the
-    line names that file, not only the folder (datasets' own errors name none)."""
+    line names that file, not only the folder (datasets' own errors name none). Invalid
+    UTF-8 inside a JSON string loads, and failed later with a UnicodeDecodeError traceback."""
     root = write_files(tmp_path / "corpus", {f"a{suffix}": good, f"c{suffix}": good})
     (root / f"b{suffix}").write_bytes(bad)
     with pytest.raises(DataError) as err:

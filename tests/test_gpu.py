@@ -3,14 +3,14 @@ size 1 and with two ranks sharing the GPU over gloo (LLM_GUIDE_BACKEND=gloo: ncc
 refuses two ranks on one device, gloo moves CUDA tensors through host memory).
 
     python -m pytest -q -m gpu tests/           # on a GPU machine; skipped elsewhere
-    python -m common.gpu_check --out DIR        # the same, plus the benchmark, into DIR
+    python -m tools.gpu_check --out DIR        # the same, plus the benchmark, into DIR
     LLM_GUIDE_GPU_REHEARSAL=1 python -m pytest -q -m gpu tests/test_gpu.py   # a CPU rehearsal
 
 Every test is marked `gpu` and skipped without CUDA, so on a CPU they cost nothing; the
 CPU suite pins each mechanism they rely on (the backend choice, the timer, MFU, resume).
 What they measure (peak GPU memory per chapter, MFU, the timer's agreement with wall
 time, the differences between runs) is written to $LLM_GUIDE_GPU_RESULTS/gpu_tests.json
-when that folder is set (`common.gpu_check` sets it).
+when that folder is set (`tools.gpu_check` sets it).
 
 Tolerances. On a CPU the suite compares in fp32, bit for bit or to float rounding. On
 CUDA in bf16 autocast, a matmul's output is rounded to 8 significant bits (2**-8, about
@@ -39,7 +39,7 @@ import torch
 
 from ch04_runs import SCRIPT as CH04, NAME, STEPS as CH04_STEPS, flags as ch04_flags, kill_job, start_job, step_dir, train as ch04_train
 from common.environment import device_name
-from common.jsonfiles import write_json
+from common.files import write_json
 from common.peak_flops import datasheet_peak
 from conftest import TINY, python_cmd, read_json, read_jsonl, run, torchrun_cmd
 

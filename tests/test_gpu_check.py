@@ -10,7 +10,7 @@ import re
 import sys
 from pathlib import Path
 
-from common import gpu_check
+from tools import gpu_check
 from conftest import refused
 
 
@@ -22,7 +22,7 @@ def test_dry_run_lists_the_steps_and_creates_nothing(tmp_path, capsys):
     lines = [line for line in text.splitlines() if line.startswith("== ")]
     assert [line.split(":")[0] for line in lines] == ["== gpu tests", "== bench_model"]  # all importable here
     assert "-m pytest -q -m gpu tests/ --junitxml=" + str(out / "gpu_tests.xml") in lines[0]
-    assert ("-m common.bench_model --presets small base medium --seq-length 1024" in lines[1]
+    assert ("-m tools.bench_model --presets small base medium --seq-length 1024" in lines[1]
             and "--json " + str(out / "bench_model.json") in lines[1])
     assert "datasets, pytest already importable" in text
 

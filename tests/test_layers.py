@@ -1,15 +1,16 @@
-"""`common` is a library in layers: no module imports one that imports it back, none
-hides an import of another `common` module inside a function, and the command-line
-tools stand apart from the library the chapters import."""
+"""`common` is the library the chapters import, in layers, and nothing else: no module
+imports one that imports it back, none hides an import of another `common` module inside
+a function, none is a command (no `__main__`), none imports the commands (`tools/`), and
+every one is reached from a chapter script."""
 
 from __future__ import annotations
 
 import ast
+import re
 
 from conftest import REPO
 
 COMMON = REPO / "common"
-TOOLS = {"tour", "report", "bench_model", "peak", "two_hosts", "plan", "gpu_check", "data_memory"}  # `python -m common.X`
 
 
 def imports_of(name: str) -> tuple[set[str], set[str]]:
@@ -61,11 +62,25 @@ def test_no_module_imports_one_that_imports_it_back():
     assert not cycles, f"import circles: {cycles[0]}"
 
 
-def test_the_library_imports_no_command_line_tool():
-    library = [m for m in MODULES if m not in TOOLS]
-    leaks = {m: sorted(ALL[m] & TOOLS) for m in library if ALL[m] & TOOLS}
-    assert not leaks, f"library modules that import a tool: {leaks}"
-    assert set(MODULES) >= TOOLS
+def test_the_library_is_no_command_and_imports_none():
+    commands = {m for m in MODULES if "__main__" in (COMMON / f"{m}.py").read_text()}
+    assert not commands, f"commands inside common (they belong in tools/): {sorted(commands)}"
+    tools = {m for m in MODULES if re.search(r"^\s*(from|import) tools\b", (COMMON / f"{m}.py").read_text(), re.M)}
+    assert not tools, f"common modules that import a command: {sorted(tools)}"
+
+
+def test_every_module_is_reached_from_a_chapter_script():
+    """A module no chapter script reaches, directly or through another, is not the
+    chapters' library: it belongs with the commands, or nowhere."""
+    reached, todo = set(), set()
+    for script in REPO.glob("0*/*.py"):
+        todo |= {m.split(".")[1] for m in re.findall(r"^from (common\.\w+) import", script.read_text(), re.M)}
+    while todo:
+        m = todo.pop()
+        if m in GRAPH and m not in reached:
+            reached.add(m)
+            todo |= ALL[m]
+    assert set(MODULES) - reached == set(), f"reached by no chapter script: {sorted(set(MODULES) - reached)}"
 
 
 def dotted(node) -> str | None:
@@ -95,7 +110,7 @@ def test_no_file_reaches_a_torch_module_it_did_not_import():
             return importlib.util.find_spec(name) is not None
         except (ImportError, ValueError):
             return False
-    files = [*REPO.glob("0*/*.py"), *COMMON.glob("*.py")]
+    files = [*REPO.glob("0*/*.py"), *COMMON.glob("*.py"), *REPO.glob("tools/*.py")]
     missing = []
     for path in files:
         tree = ast.parse(path.read_text())

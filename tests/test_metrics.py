@@ -8,15 +8,15 @@ import json
 import pytest
 import torch
 
-import common.jsonfiles as jsonfiles
-import common.summary as summary
+import common.files as files
+import common.metrics as metrics
 import common.timing as timing
 from common.environment import peak_memory_mb
-from common.jsonfiles import MetricsWriter, read_metrics, write_json
+from common.files import write_json
+from common.metrics import MetricsWriter, Tracker, build_summary, read_metrics, throughput_table
 from common.peak_flops import Peak
-from common.summary import build_summary, throughput_table
 from common.tables import format_flops
-from common.timing import PHASES, PhaseTimer, StepStats
+from common.timing import PHASES, PhaseTimer, StepStats, phase_seconds
 
 SUMMARY_KEYS = {"chapter", "world_size", "device_name", "dtype", "preset", "num_params",
                 "tokens_per_s", "tokens_per_s_per_device", "step_wall_s", "step_time_s",
@@ -80,9 +80,10 @@ def test_phase_timer_accumulates():
         pass
     with timer.phase("update"):
         pass
-    assert timer.times == {"data": 0.0, "forward": 1.5, "backward": 0.0, "update": 2.0}
+    clock.sync()
+    assert phase_seconds(clock, timer.marks) == {"data": 0.0, "forward": 1.5, "backward": 0.0, "update": 2.0}
     timer.reset()
-    assert timer.times == dict.fromkeys(PHASES, 0.0)
+    assert phase_seconds(clock, timer.marks) == dict.fromkeys(PHASES, 0.0)
 
 
 def test_phases_are_read_once_per_window_without_waiting_at_boundaries(monkeypatch):
@@ -153,17 +154,6 @@ def test_phase_times_and_wall_time_agree_on_cpu():
     assert stats.tokens_per_s() == pytest.approx(600 / phases, rel=0.10)
 
 
-def test_the_old_loop_still_works(monkeypatch):
-    """`stats.add(timer.times, tokens)`, as chapter loops called it: no windows, so the
-    headline falls back to the phase times."""
-    clock = FakeDeviceClock([0.0, 2.0, 2.0, 3.0])
-    timer, stats = PhaseTimer("cuda", clock=clock), StepStats(warmup=0)
-    run_phases(timer, ["forward", "update"])
-    stats.add(timer.times, tokens=300)
-    assert stats.tokens_per_s() == pytest.approx(100.0)
-    assert stats.wall_time_per_step() == pytest.approx(3.0)
-
-
 def test_step_stats_leave_out_warmup():
     slow, fast = (5.0, 5.0, 5.0, 5.0), (0.1, 0.2, 0.3, 0.4)
     s = stats_of([slow, slow, fast, fast, (0.3, 0.2, 0.3, 0.2)], tokens=500)
@@ -212,7 +202,7 @@ def test_write_json_is_atomic(tmp_path, monkeypatch):
     def crash(*a):
         raise OSError("killed before the rename")
 
-    monkeypatch.setattr(jsonfiles.os, "replace", crash)
+    monkeypatch.setattr(files.os, "replace", crash)
     with pytest.raises(OSError):
         write_json(path, {"a": 2})
     assert json.loads(path.read_text()) == {"a": 1}   # the old file is intact
@@ -221,7 +211,7 @@ def test_write_json_is_atomic(tmp_path, monkeypatch):
 def summary_for(device_name: str | None = None, monkeypatch=None, peak=None,
                 dtype: str = "fp32") -> dict:
     if device_name:
-        monkeypatch.setattr(summary, "device_name", lambda d: device_name)
+        monkeypatch.setattr(metrics, "device_name", lambda d: device_name)
         monkeypatch.setattr("common.peak_flops.device_name", lambda d: device_name)
     args = argparse.Namespace(experiment_name="run-1", model_preset="tiny", seq_length=64,
                               batch_size=4, lr=1e-3)
@@ -253,13 +243,6 @@ def test_build_summary_measures_the_peak_of_a_cpu():
     s = summary_for()                          # no peak given: this CPU's, measured
     assert s["peak_source"] == "measured" and s["peak_precision"] == "fp32"
     assert s["peak_flops"] > 1e8 and 0 < s["mfu"] == pytest.approx(512.0 * 2e7 / s["peak_flops"])
-
-
-def test_build_summary_notes_a_cpu_that_emulates_bf16(monkeypatch):
-    monkeypatch.setattr("common.peak_flops.measured_peak", lambda device, precision, **kw: 173e9)
-    s = summary_for(peak=Peak(3e9, "bf16", "measured"), dtype="bf16")
-    assert any("emulated" in note and "--dtype fp32" in note for note in s["notes"]), s["notes"]
-    assert "notes" not in summary_for(peak=Peak(95e9, "fp32", "measured"))
 
 
 @pytest.mark.parametrize("name, dtype, peak", [
@@ -305,14 +288,15 @@ def test_mfu_over_100_percent_asks_to_remeasure_the_peak():
 
 
 
-def tracked_run(save_dir, monkeypatch, world_size: int, padded: bool = True) -> tuple[dict, list[dict], int]:
+def tracked_run(save_dir, monkeypatch, world_size: int, padded: bool = True,
+                load: float = 0.5) -> tuple[dict, list[dict], int]:
     """Six steps of 16 tokens, 12 of them real if `padded`, through the Tracker, logged at
     steps 3 and 6; a matching chapter 01 summary sits in --save-dir. Returns the summary,
     the metrics records and how often a count was read back from a tensor."""
     import logging
 
-    from common.tracker import Tracker
-    monkeypatch.setattr(summary, "device_peak", lambda device, dtype: Peak(1e9, "fp32", "measured"))
+    monkeypatch.setattr(metrics, "device_peak", lambda device, dtype: Peak(1e9, "fp32", "measured"))
+    monkeypatch.setattr(metrics, "load_average", lambda: load)  # an idle machine, unless said
     (save_dir / "base").mkdir(parents=True)
     write_json(save_dir / "base" / "summary.json",
                {"chapter": "01-single-gpu", "experiment_name": "base", "preset": "tiny",
@@ -365,6 +349,15 @@ def test_scaling_efficiency_only_with_more_than_one_process(tmp_path, monkeypatc
     assert "| scaling efficiency " not in throughput_table({**two, "world_size": 1})
 
 
+def test_no_scaling_efficiency_from_a_busy_machine(tmp_path, monkeypatch, capsys):
+    """Load slows a one-process run and a two-process run unequally, so a ratio of the two
+    taken on a busy machine measures the load: not printed as a scaling figure."""
+    two, _, _ = tracked_run(tmp_path, monkeypatch, world_size=2, padded=False, load=9.0)
+    assert "scaling_efficiency" not in two
+    assert any("no scaling efficiency" in note and "busy" in note for note in two["notes"]), two["notes"]
+    assert "| scaling efficiency " not in capsys.readouterr().out
+
+
 def test_the_baseline_is_a_chapter_01_run_with_the_same_kernels(tmp_path):
     """A scaling efficiency compares like with like: the chapter 01 run it divides by was
     compiled, checkpointed its activations and ran deterministic kernels exactly when the
@@ -387,8 +380,8 @@ def test_the_baseline_is_a_chapter_01_run_with_the_same_kernels(tmp_path):
                {"chapter": "01-single-gpu", "experiment_name": "other-size", **size, "batch_size": 4})
     for name, on in [("plain", ()), *((k, (k,)) for k in switches)]:
         run = {"chapter": "03-ddp", **size, **{k: True for k in on}}
-        assert summary.find_baseline(tmp_path, run)["experiment_name"] == name
-    assert summary.find_baseline(tmp_path, {**size, "compiled": True, "deterministic": True}) is None
+        assert metrics.find_baseline(tmp_path, run)["experiment_name"] == name
+    assert metrics.find_baseline(tmp_path, {**size, "compiled": True, "deterministic": True}) is None
 
 
 def test_write_json_on_a_full_disk_keeps_the_old_file_and_leaves_no_half_copy(small_disk):
@@ -409,7 +402,6 @@ def test_a_resumed_run_on_a_full_disk_keeps_its_metrics_and_says_one_line(small_
     metrics already there stay whole, and no half-written copy is left beside them."""
     import logging
 
-    from common.tracker import Tracker
     disk = small_disk(64 << 10)
     (disk / "run").mkdir()
     # 40 KB of metrics on a 64 KB disk: no room for the rewritten copy of 39 KB
@@ -434,7 +426,6 @@ def test_a_disk_that_fills_mid_run_stops_the_log_with_one_line(small_disk, capsy
     terminal) the line starts a line of its own, below the bar's last state."""
     import logging
 
-    from common.tracker import Tracker
     if bar:
         monkeypatch.setenv("LLM_GUIDE_PROGRESS", "1")
     disk = small_disk(64 << 10)

@@ -1,4 +1,4 @@
-"""`python -m common.plan`: its model is common.model's, parameter for parameter; its
+"""`python -m tools.plan`: its model is common.model's, parameter for parameter; its
 activation estimate is what autograd saves (counted with saved-tensor hooks, in fp32,
 bf16 autocast and bf16, with and without activation checkpointing); its checkpoint size
 is the training state's bytes; its traffic follows the ring's textbook volumes; bad
@@ -16,10 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from conftest import REPO, run
-from common import plan, sharding
+from conftest import REPO, chapter_module, run
+from tools import plan
 from common.model import LlamaForCausalLM, get_config, num_parameters
 from common.training import build_optimizer
+sharding = chapter_module("05-collectives", "sharding")
 
 FP32, BF16 = plan.PRECISIONS["fp32"], plan.PRECISIONS["bf16"]
 
@@ -186,11 +187,11 @@ def test_absurd_sizes_answer_at_once():
     line; a million ranks of a 10,000-layer model are planned without a loop per rank.
     Both used to run for hours (in a process of their own here, so that a regression
     fails on the timeout instead of hanging the suite)."""
-    proc = run([sys.executable, "-m", "common.plan", "--model-preset", "small", "--layers", "100000000"],
+    proc = run([sys.executable, "-m", "tools.plan", "--model-preset", "small", "--layers", "100000000"],
                timeout=120, check=False)
     assert proc.returncode == 2 and proc.stdout == "", proc.stderr
     assert proc.stderr.splitlines() == ["error: --layers 100,000,000: the plan handles at most 10,000"]
-    proc = run([sys.executable, "-m", "common.plan", "--model-preset", "small", "--layers", "10000",
+    proc = run([sys.executable, "-m", "tools.plan", "--model-preset", "small", "--layers", "10000",
                 "--gpus-per-node", "1000", "--nodes", "1000"], timeout=120)
     assert "1000000 ranks (1000 x 1000 GPUs)" in proc.stdout
     assert all(len(re.findall(rf"^\| {mode} ", proc.stdout, flags=re.M)) == 3 for mode in plan.MODES)
@@ -207,12 +208,12 @@ def test_without_a_shape_no_unit_is_gathered(capsys):
 
 
 def test_the_chapter_05_readme_shows_the_commands_output(capsys, monkeypatch):
-    """Each `python -m common.plan` command in the README is followed by its output, as
+    """Each `python -m tools.plan` command in the README is followed by its output, as
     the current code prints it."""
     text = (REPO / "05-collectives" / "README.md").read_text()
     shown = re.findall(r"^```bash\n(python -m common\.plan [^\n]*)\n```\n\n```text\n(.*?)^```", text,
                        flags=re.S | re.M)
     assert shown, "the chapter 05 README shows no plan"
     for command, output in shown:
-        monkeypatch.setattr(sys, "argv", ["python -m common.plan"])
+        monkeypatch.setattr(sys, "argv", ["python -m tools.plan"])
         assert run_plan(command.split()[3:], capsys) == output, command

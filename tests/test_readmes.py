@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, load_script, run
+from tools import chapters as tools_chapters
 
-CHAPTERS = ["01-single-gpu", "02-data-parallel", "03-ddp", "04-checkpointing", "05-collectives"]
+CHAPTER_LIST = tools_chapters.CHAPTERS
+CHAPTERS = [c.folder for c in CHAPTER_LIST]
 READMES = [REPO / "README.md"] + [REPO / c / "README.md" for c in CHAPTERS]
-# chapter 03 builds on chapter 01: nn.DataParallel (02) is a detour, not a base
-PREVIOUS = {"02-data-parallel": "01-single-gpu", "03-ddp": "01-single-gpu",
-            "04-checkpointing": "03-ddp"}
+PREVIOUS = {c.folder: c.builds_on for c in CHAPTER_LIST if c.builds_on}  # whose diff each README shows
 NEEDS_MARK = re.compile(r"#\s*needs\b")
-TOOL = re.compile(r"python -m (common\.\w+)(.*)$")  # e.g. python -m common.plan --nodes 2
+TOOL = re.compile(r"python -m (common\.\w+)(.*)$")  # e.g. python -m tools.plan --nodes 2
 # appended to every train_llm.py command (argparse: the last occurrence wins)
 TRAIN_OVERRIDES = ["--model-preset", "tiny", "--seq-length", "64", "--batch-size", "4",
                    "--val-batches", "2", "--num-workers", "0", "--log-freq", "5"]
@@ -335,7 +335,7 @@ def test_readme_commands_parse_and_run(chapter, tmp_path, monkeypatch):
             continue  # shown twice in the README: run once
         ran.add(command)
         tool = TOOL.match(command)
-        if tool:  # a command-line tool of `common`: its main(), in this process, as written
+        if tool:  # a command of `tools`: its main(), in this process, as written
             importlib.import_module(tool[1]).main(shlex.split(tool[2]))
             continue
         if command in LAUNCHED_BY:
@@ -357,7 +357,7 @@ def test_launched_by_names_only_readme_commands():
 # A promised exit status; under torchrun it is the workers', not the shell's.
 PROMISED_STATUS = re.compile(r"\bexit(s|ing)?( with)?( status)? (2|130|143)\b|\((130|143) for")
 # Paragraphs about tools a reader runs with python, where the status is the shell's.
-PYTHON_LAUNCHED = ("tests/test_plan.py",)  # python -m common.plan
+PYTHON_LAUNCHED = ("tests/test_plan.py",)  # python -m tools.plan
 
 
 def test_statuses_promised_for_torchrun_runs_say_what_the_shell_sees():

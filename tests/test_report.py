@@ -1,4 +1,4 @@
-"""`python -m common.report`: one row per run with the right figures, the device in every
+"""`python -m tools.report`: one row per run with the right figures, the device in every
 row, a warning when devices differ, valid PNGs, corrupt summaries skipped, exit 2 when
 there is nothing to report; readable with many runs; archived runs left out unless asked
 for, then labelled."""
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from common import report
-from common.jsonfiles import write_json
-from common.summary import build_summary
+from tools import report
+from common.files import write_json
+from common.metrics import build_summary
 from common.timing import StepStats
 from conftest import run
 
@@ -143,7 +143,7 @@ def test_report_in_process(runs_dir, tmp_path, capsys):
 def test_report_subprocess_default_out_and_single_device(runs_dir):
     """As a reader runs it; one RUN_DIR → files land there; one device → no warning."""
     only_cpu = runs_dir / "a"
-    proc = run([sys.executable, "-m", "common.report", only_cpu])
+    proc = run([sys.executable, "-m", "tools.report", only_cpu])
     rows = table_rows(proc.stdout)
     assert len(rows) == 2
     assert "warning" not in proc.stdout and proc.stderr == ""
@@ -190,7 +190,7 @@ def test_resumed_run_loss_curve_keeps_surviving_records(tmp_path):
 
 
 def test_nothing_to_report_exits_2(tmp_path, capsys):
-    """In this process (the command's own path, `python -m common.report`, is launched by
+    """In this process (the command's own path, `python -m tools.report`, is launched by
     test_report_subprocess_default_out_and_single_device)."""
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -310,7 +310,7 @@ def test_archived_runs_on_request_are_labelled(many_runs, tmp_path, capsys):
 def test_odd_but_harmless_inputs_do_not_stop_the_report(tmp_path):
     """A metrics step of 1e400 (JSON's infinity) is skipped, and notes written as one
     string (a hand-edited summary) are one note."""
-    from common.report import notes_section, read_loss_curve
+    from tools.report import notes_section, read_loss_curve
 
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text('{"step": 1, "loss": 2.0}\n{"step": 1e400, "loss": 1.0}\n')
@@ -463,6 +463,6 @@ def test_a_fifo_named_summary_json_is_never_opened(runs_dir):
     fifo = runs_dir / "c" / "pipe" / "summary.json"
     fifo.parent.mkdir(parents=True)
     os.mkfifo(fifo)
-    proc = run([sys.executable, "-m", "common.report", runs_dir, "--out", runs_dir / "r"], timeout=120)
+    proc = run([sys.executable, "-m", "tools.report", runs_dir, "--out", runs_dir / "r"], timeout=120)
     assert len(table_rows(proc.stdout)) == 3
     assert proc.stderr.splitlines() == [f"warning: skipping {fifo}: not a regular file, not opened"]

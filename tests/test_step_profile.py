@@ -1,4 +1,4 @@
-"""Where a training step's time goes (common.step_profile, `bench_model --profile`): on a
+"""Where a training step's time goes (tools.step_profile, `bench_model --profile`): on a
 CPU from a real profile; the CUDA path (kernels found through the host operators that
 launched them) on stand-in events shaped as torch.profiler makes them."""
 
@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 from torch.autograd import DeviceType
 
-from common.bench_model import main
-from common.step_profile import KINDS, OPTIMIZER, kind_of, work_by_name
+from tools.bench_model import main
+from tools.step_profile import KINDS, OPTIMIZER, kind_of, work_by_name
 
 
 @pytest.mark.parametrize("name, kind", [

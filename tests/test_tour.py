@@ -1,4 +1,4 @@
-"""`python -m common.tour`: the plan (every chapter, in order, launched as its README
+"""`python -m tools.tour`: the plan (every chapter, in order, launched as its README
 says), flag validation before any work, failure reporting, and a real short tour that
 ends with the comparison report."""
 
@@ -11,9 +11,10 @@ import time
 
 import pytest
 
-from common import report, tour
+from tools import report, tour
+from tools.chapters import CHAPTERS
 from common.errors import UsageError
-from conftest import run, run_folder_held
+from conftest import REPO, run, run_folder_held
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -28,11 +29,11 @@ def flag(step, name):
 
 def test_plan_runs_every_chapter_in_order_as_the_readmes_launch_them(tmp_path):
     plan = plan_for(tmp_path)
-    assert list(dict.fromkeys(s.chapter for s in plan)) == list(tour.CHAPTERS)
+    assert list(dict.fromkeys(s.chapter for s in plan)) == [c.folder for c in CHAPTERS]
     assert [s.name for s in plan] == ["01-single-gpu", "02-data-parallel", "03-ddp",
                                       "04-checkpointing", "05-collectives-demo", "05-bench",
                                       "05-ddp-from-scratch", "05-sharded-from-scratch",
-                                      "05-overlap-timeline"]
+                                      "05-overlap-timeline", "06-model-parallel"]
     by_name = {s.name: s for s in plan}
     for name in ("01-single-gpu", "02-data-parallel"):
         assert by_name[name].display.startswith(f"python {name}/train_llm.py ")
@@ -47,15 +48,16 @@ def test_plan_runs_every_chapter_in_order_as_the_readmes_launch_them(tmp_path):
     freq, crash = int(flag(ck, "--ckpt-freq")), int(flag(ck, "--crash-at-step"))
     assert (freq, crash) == (10, 15)                   # between the 1st and 2nd checkpoint
     assert int(flag(ck, "--max-steps")) == 30
+    assert flag(by_name["06-model-parallel"], "--pp") == "2"  # its line's tour flags
     # one per-process batch and one run folder for every chapter; each run its own name
-    train = plan[:4]
+    train = [*plan[:4], by_name["06-model-parallel"]]
     assert {flag(s, "--batch-size") for s in train} == {"8"}
     assert {flag(s, "--save-dir") for s in plan if "--save-dir" in s.argv} == {str(tmp_path / "t")}
     assert [flag(s, "--experiment-name") for s in train] == [s.name for s in train]
     assert all(flag(s, "--dataset-name") == "stdlib" for s in train)
     # on CPU the overlap timeline traces four modes of the eight, on GPUs all of them
     assert flag(by_name["05-overlap-timeline"], "--modes") == "naive,ddp,ch03-ddp,fsdp2"
-    assert "--modes" not in plan_for(tmp_path, gpus=2)[-1].argv
+    assert "--modes" not in {s.name: s for s in plan_for(tmp_path, gpus=2)}["05-overlap-timeline"].argv
 
 
 def test_plan_sizes_follow_the_hardware(tmp_path):
@@ -66,7 +68,7 @@ def test_plan_sizes_follow_the_hardware(tmp_path):
     one = plan_for(tmp_path, gpus=1)
     by_name = {s.name: s for s in one}
     assert "--nproc-per-node=1" in by_name["03-ddp"].display
-    for s in one[4:]:
+    for s in one[4:9]:
         assert s.env == {"CUDA_VISIBLE_DEVICES": ""} and "--nproc-per-node=2" in s.display
         assert s.display.startswith("CUDA_VISIBLE_DEVICES= torchrun") and "gloo" in s.note
     # the reader's choices win
@@ -83,14 +85,14 @@ def test_chapter_selection(tmp_path):
     assert [s.name for s in plan] == ["01-single-gpu", "03-ddp"]
     plan = plan_for(tmp_path, "--chapters", "05-collectives")
     assert {s.chapter for s in plan} == {"05-collectives"} and len(plan) == 5
-    with pytest.raises(UsageError, match="unknown chapter '06'"):
-        tour.parse_args(["--chapters", "01,06"], gpus=0)
+    with pytest.raises(UsageError, match="unknown chapter '07'"):
+        tour.parse_args(["--chapters", "01,07"], gpus=0)
     with pytest.raises(UsageError, match="only 2 GPU"):
         tour.parse_args(["--nproc", "4"], gpus=2)
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--chapters", "01,06"], "unknown chapter"),
+    (["--chapters", "01,07"], "unknown chapter"),
     (["--chapters", ","], "at least one chapter"),
     (["--max-steps", "0"], "--max-steps must be at least 1"),   # the chapters' flag names,
     (["--chapters", "04", "--steps", "2"], "chapter 04 needs at least 3"),  # and short aliases
@@ -130,10 +132,10 @@ def test_an_out_folder_that_cannot_be_written_is_refused_before_any_work(tmp_pat
     assert "Read-only file system" in captured.err and not (tmp_path / "tour").exists()
 
 def test_bad_flag_from_the_command_line(tmp_path):
-    proc = run([sys.executable, "-m", "common.tour", "--chapters", "01,06"], check=False)
+    proc = run([sys.executable, "-m", "tools.tour", "--chapters", "01,07"], check=False)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [
-        "error: --chapters: unknown chapter '06'; choose from 01, 02, 03, 04, 05 (or the folder names)"]
+        "error: --chapters: unknown chapter '07'; choose from 01, 02, 03, 04, 05, 06 (or the folder names)"]
 
 
 def test_non_empty_out_is_refused_and_dry_run_runs_nothing(tmp_path, capsys):
@@ -145,7 +147,7 @@ def test_non_empty_out_is_refused_and_dry_run_runs_nothing(tmp_path, capsys):
     assert [p.name for p in used.iterdir()] == ["keep.txt"]
 
     fresh = tmp_path / "fresh"
-    proc = run([sys.executable, "-m", "common.tour", "--dry-run", "--out", fresh])
+    proc = run([sys.executable, "-m", "tools.tour", "--dry-run", "--out", fresh])
     lines = [l for l in proc.stdout.splitlines() if l.startswith("[")]
     assert len(lines) == 9  # 01-04, then 05's demo, benchmark, DDP and sharding from scratch, timeline
     assert lines[0].startswith("[1/5] 01-single-gpu: python 01-single-gpu/train_llm.py")
@@ -298,26 +300,13 @@ def test_the_terminal_gets_a_narrow_table_and_report_md_gets_everything(tmp_path
         (out / f"{chapter}.log").write_text("log\n")
     (out / "04-checkpointing" / "checkpoints" / "step-00000010").mkdir(parents=True)
     (out / "04-checkpointing" / "checkpoints" / "step-00000010" / "state.pt").write_bytes(b"x")
-    bench = {"rows": [{"op": op, "requested_bytes": 2**20, "busbw_gbps": 1.5, "time_s": 1e-3}
-                      for op in ("all_reduce", "broadcast")], "world_size": 2, "backend": "gloo"}
-    scratch = {"modes": {"naive": {"tokens_per_s": 900.0, "tokens_per_s_vs_ddp": 0.9,
-                                   "step_time_s_median": 0.1, "sync_time_s_median": 0.01,
-                                   "allreduce_calls_per_step": 20, "max_abs_diff_vs_ddp": 0.0}},
-               "passed": True}
-    mode = {"bytes": {"params": 2**20, "grads": 2**20, "optimizer": 2**21, "peak_step": 2**22},
-            "tokens_per_s": 800.0, "tokens_per_s_vs_ddp": 0.8, "step_time_s_median": 0.1,
-            "comm_calls_per_step": {"all_gather": 2.0}, "comm_sent_bytes_per_step": {"all_gather": 2**20},
-            "textbook_sent_bytes_per_step": 2**20, "max_abs_diff_vs_ddp": 0.0}
-    for name, obj in (("05-bench/bench_collectives.json", bench),
-                      ("05-ddp-from-scratch/ddp_from_scratch.json", scratch),
-                      ("05-sharded-from-scratch/sharded_from_scratch.json",
-                       {"modes": {"ddp": mode, "zero3": mode}, "passed": True})):
-        (out / name).parent.mkdir()
-        (out / name).write_text(json.dumps(obj))
+    for name, text in (("05-bench", "| size | all_reduce |"), ("05-sharded-from-scratch", "| mode | params MiB |")):
+        (out / name).mkdir()
+        (out / name / "tables.md").write_text(text + "\n")  # what a chapter's script leaves for the report
     tour.print_summary(args, [], time.perf_counter())
     printed = capsys.readouterr().out
     table = [l for l in printed.splitlines() if l.startswith("| ")]
-    ours = table[:table.index(next(l for l in table if l.startswith("| size")))]  # before 05's tables
+    ours = table[:table.index("| size | all_reduce |")]  # before the chapters' own tables
     assert len(ours) == 2 + 3 and max(map(len, ours)) <= 100, ours
     assert "tokens/s" in ours[0] and "final loss" in ours[0] and "notes" in ours[0]
     assert "1. a note of 01-single-gpu" in printed
@@ -326,10 +315,9 @@ def test_the_terminal_gets_a_narrow_table_and_report_md_gets_everything(tmp_path
     assert "MFU" in wide and "peak memory" in wide                 # every column
     assert "Batch sizes: every process ran" in md and "On CPU the 2 processes" in md
     assert "Batch sizes: every process ran" in printed
-    for title in ("05 collective benchmark", "05 data parallelism from collectives",
-                  "05 sharded training from collectives"):
-        assert f"## {title}" in md and title in printed
-    assert "peak in step MiB (MemTracker)" in md
+    for name in ("05-bench", "05-sharded-from-scratch"):
+        assert f"## {name}" in md and f"{name} (" in printed
+    assert "| mode | params MiB |" in md and "| size | all_reduce |" in printed
     for f in out.rglob("*"):
         if f.is_file():
             assert f"`{f.relative_to(out)}`" in md, f
@@ -337,12 +325,11 @@ def test_the_terminal_gets_a_narrow_table_and_report_md_gets_everything(tmp_path
 def test_short_real_tour(tmp_path):
     """Two chapters run for real, one launched with python and one with torchrun (tiny
     sizes, 2 steps), then the report: table, plots, logs. Chapter 05's five scripts, each
-    a torchrun job of its own, are not run here: the tests of each script check that the
-    tour's report renders the very file the script wrote (tour.CHAPTER_05_TABLES), and
-    test_the_terminal_gets_a_narrow_table_and_report_md_gets_everything the report around
-    them."""
+    a torchrun job of its own, are not run here: the tests of each script check the
+    tables.md it leaves, and test_the_terminal_gets_a_narrow_table_and_report_md_gets_everything
+    the report around them."""
     out = tmp_path / "tour"
-    proc = run([sys.executable, "-m", "common.tour", "--chapters", "01,03",
+    proc = run([sys.executable, "-m", "tools.tour", "--chapters", "01,03",
                 "--preset", "tiny", "--steps", "2", "--seq-length", "32", "--batch-size", "2",
                 "--out", out], timeout=240)
     stdout = proc.stdout
@@ -363,15 +350,25 @@ def test_short_real_tour(tmp_path):
     assert "tour finished in" in stdout
 
 
-def test_chapter_05_tables_cover_every_file_its_scripts_write():
-    """Every JSON a chapter 05 step of the plan writes has a table in the report (the
-    collectives demo writes none)."""
-    written = {"05-bench": "bench_collectives.json", "05-ddp-from-scratch": "ddp_from_scratch.json",
-               "05-sharded-from-scratch": "sharded_from_scratch.json",
-               "05-overlap-timeline": "overlap_timeline.json"}
-    assert {name for name, _, _ in tour.CHAPTER_05_TABLES} == set(written.values())
-    plan = tour.build_plan(tour.parse_args(["--chapters", "05", "--out", "/nonexistent/t"], gpus=0))
-    assert {s.name for s in plan} == {"05-collectives-demo", *written}
+def test_a_chapter_added_to_the_list_is_in_the_tour_and_the_readme_checks(tmp_path):
+    """A new chapter is its folder and one line in tools/chapters.py: in a copy of the
+    repository with a throwaway chapter 07 (chapter 03's script, a README), the tour plans
+    it and the README tests collect it, with no other change."""
+    import shutil
+    copy = tmp_path / "repo"
+    shutil.copytree(REPO, copy, ignore=shutil.ignore_patterns(".git", "outputs", "__pycache__", "*.egg-info"))
+    (copy / "07-throwaway").mkdir()
+    shutil.copy(copy / "03-ddp" / "train_llm.py", copy / "07-throwaway" / "train_llm.py")
+    (copy / "07-throwaway" / "README.md").write_text("# 07\n")
+    chapters = copy / "tools" / "chapters.py"
+    chapters.write_text(chapters.read_text().replace(
+        "\n)\nBY_FOLDER", '\n    Chapter("07-throwaway", "torchrun", "03-ddp", 0),\n)\nBY_FOLDER'))
+    env = {"PYTHONPATH": str(copy)}
+    plan = run([sys.executable, "-m", "tools.tour", "--dry-run", "--chapters", "07"], cwd=copy, env=env).stdout
+    assert "torchrun --standalone --nproc-per-node=2 07-throwaway/train_llm.py" in plan
+    collected = run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                     "tests/test_readmes.py", "tests/test_lessons.py"], cwd=copy, env=env).stdout
+    assert "07-throwaway" in collected
 
 
 def test_a_quoted_tilde_in_out_is_the_home_folder(tmp_path, monkeypatch):

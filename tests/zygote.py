@@ -32,13 +32,12 @@ from warm import free_port  # this folder is on the path: the script's own
 # constructors are wrapped by torch._disable_dynamo): 1.5-2 s of CPU in every rank.
 PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.distributed.checkpoint",
            "torch.distributed.checkpoint.state_dict", "torch.distributed.fsdp",
-           "torch.distributed.tensor", "torch.nn.functional", "torch.nn.parallel",
-           "torch.profiler", "torch.utils.data", "numpy", "tokenizers",
-           "common.checkpoint_folder", "common.cli", "common.data", "common.distributed",
-           "common.durable", "common.environment", "common.jsonfiles", "common.model",
-           "common.net_errors", "common.proof", "common.runfolder", "common.sharding",
-           "common.summary", "common.tables", "common.timing", "common.tracker",
-           "common.training"]
+           "torch.distributed.tensor", "torch.distributed.tensor.parallel",
+           "torch.distributed.pipelining", "torch.nn.functional", "torch.nn.parallel",
+           "torch.profiler", "torch.utils.data", "numpy", "tokenizers"]
+COMMON = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "common")
+PRELOAD += sorted(f"common.{name[:-3]}" for name in os.listdir(COMMON)
+                  if name.endswith(".py") and name != "__init__.py")
 STARTUP_PATH = list(sys.path)  # [this folder, the interpreter's own entries...]
 RANK_GRACE_S = 30  # torchrun's default grace between SIGTERM and SIGKILL of the others
 STOPPED = []  # signals the launcher got (a launcher process serves one launch)

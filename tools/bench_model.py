@@ -1,9 +1,9 @@
 """Throughput and MFU of the model presets on this machine, eager and torch.compile'd.
 
-    python -m common.bench_model                       # tiny and small, cuda if present
-    python -m common.bench_model --presets small --no-compile
-    python -m common.bench_model --presets base --batch-size 16 --seq-length 1024
-    python -m common.bench_model --presets small base medium --seq-length 1024 --json bench.json
+    python -m tools.bench_model                       # tiny and small, cuda if present
+    python -m tools.bench_model --presets small --no-compile
+    python -m tools.bench_model --presets base --batch-size 16 --seq-length 1024
+    python -m tools.bench_model --presets small base medium --seq-length 1024 --json bench.json
 
 For each preset, two kinds of step on random tokens: forward + cross-entropy +
 backward (the model alone), and a full training step as chapter 01 takes it (that,
@@ -12,7 +12,7 @@ function (model and cross-entropy together) compiled by `torch.compile` (inducto
 The first compiled step compiles: its time is reported apart, as the compile time.
 Then every variant runs `--warmup` untimed steps and `--iters` timed ones, eager and
 compiled taking turns; the table reports the median step as tokens/s, model FLOP/s
-and MFU against the device's peak (`python -m common.peak`: the datasheet's where
+and MFU against the device's peak (`python -m tools.peak`: the datasheet's where
 known, else measured), and on CUDA the peak memory of a step. On CUDA bf16 autocast, as
 the chapters by default, each step timed by CUDA events on an idle device (the call's
 device time, host launch gaps included); on CPU fp32, by the host clock. `--json` also
@@ -29,17 +29,17 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 
-from .cli import Parser, check_device, check_writable_folder, non_negative_int, positive_int
-from .data import DEFAULT_VOCAB_SIZE
-from .environment import device_name
-from .errors import UsageError
-from .jsonfiles import write_json
-from .model import PRESETS, LlamaForCausalLM, attention_flops_per_token, flops_per_token, get_config, num_parameters
-from .peak_flops import Peak, device_peak, implausible_mfu_note, sync
+from common.cli import Parser, check_device, check_writable_folder, non_negative_int, positive_int
+from common.data import DEFAULT_VOCAB_SIZE
+from common.environment import device_name
+from common.errors import UsageError
+from common.files import write_json
+from common.model import PRESETS, LlamaForCausalLM, attention_flops_per_token, flops_per_token, get_config, num_parameters
+from common.peak_flops import Peak, device_peak, sync
 from .step_profile import OPTIMIZER, profile_step
 from .step_profile import table as profile_table
-from .tables import format_flops, markdown_table
-from .timing import CudaEventClock, WallClock
+from common.tables import format_flops, markdown_table
+from common.timing import CudaEventClock, WallClock
 
 
 def loss_of(model, x, y, bf16: bool = False):
@@ -118,7 +118,7 @@ def bench_preset(preset: str, batch_size: int, seq_len: int, iters: int, warmup:
                  profile_steps: int = 0) -> dict:
     """One row per (mode, step kind), and the compile time (None without compile). With
     `profile_steps`, each mode's training-step row also says where its time went
-    (common.step_profile), from that many profiled steps after the timed ones."""
+    (tools.step_profile), from that many profiled steps after the timed ones."""
     config = get_config(preset, vocab_size)
     seq_len = min(seq_len, config.max_position_embeddings)
     torch.manual_seed(0)
@@ -177,7 +177,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv=None):
-    p = Parser(prog="python -m common.bench_model", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m tools.bench_model", description=__doc__.split("\n\n")[0])
     p.add_argument("--presets", nargs="+", default=["tiny", "small"], choices=list(PRESETS),
                    help="model presets to measure, one after another")
     p.add_argument("--batch-size", type=positive_int, default=8, help="samples per step")
@@ -228,9 +228,10 @@ def main(argv=None):
             print(f"{preset}: torch.compile took {result['compile_s']:.1f} s "
                   f"(its first forward+backward; not in the table)", flush=True)
     print(table(rows))
-    note = implausible_mfu_note(max(r["mfu"] for r in rows), peak)
-    if note:
-        print(note)
+    if max(r["mfu"] for r in rows) > 1.0:
+        print(f"note: MFU over 100%: the {peak.label()} is too low"
+              + (" (measured while the machine was busy?): python -m tools.peak --remeasure"
+                 if peak.source == "measured" else ""))
     profiled = [r for r in rows if "profile" in r]
     if profiled:
         print(f"\nwhere a training step's time went ({args.profile} profiled steps per mode; "

@@ -1,8 +1,8 @@
 """Each rank's peak resident memory against the size of the corpus: the token files are
 memory-mapped, so a rank's memory should not grow with the corpus.
 
-    python -m common.data_memory                                   # 1 M and 200 M tokens, 4 ranks
-    python -m common.data_memory --tokens 1000000 20000000 --nproc-per-node 2
+    python -m tools.data_memory                                   # 1 M and 200 M tokens, 4 ranks
+    python -m tools.data_memory --tokens 1000000 20000000 --nproc-per-node 2
 
 For each size it writes a synthetic tokenized corpus into a scratch cache (random ids in
 documents of random lengths, written by `common.data.write_token_files`, the writer a
@@ -33,10 +33,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .cli import Parser, non_negative_float, positive_int
-from .data import open_corpus, token_cache_path, train_tokenizer, write_token_files
-from .errors import UsageError
-from .tables import markdown_table
+from common.cli import Parser, non_negative_float, positive_int
+from common.data import open_corpus, token_cache_path, train_tokenizer, write_token_files
+from common.errors import UsageError
+from common.tables import markdown_table
 
 REPO = Path(__file__).resolve().parents[1]
 MIN_TOKENS_PER_RANK = 5_000  # see enough_tokens
@@ -158,7 +158,7 @@ def measure(tokens: int, nproc: int, root: Path, steps: int) -> list[dict]:
     ranks = folder / "ranks"
     ranks.mkdir(exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "common.data_memory", "--rank-report", str(ranks), "03-ddp/train_llm.py",
+           "-m", "tools.data_memory", "--rank-report", str(ranks), "03-ddp/train_llm.py",
            "--dataset-name", str(corpus_file), "--tokenizer", str(tok_file),
            "--cache-dir", str(folder / "cache"), "--model-preset", "tiny", "--max-steps", str(steps),
            "--val-batches", "1", "--log-freq", "1", "--save-dir", str(folder / "outputs"),
@@ -194,7 +194,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--rank-report"]:  # inside a rank, started by measure()
         return report_rank(argv[1], argv[2], argv[3:])
-    p = Parser(prog="python -m common.data_memory", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m tools.data_memory", description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=positive_int, nargs="+", default=[1_000_000, 200_000_000],
                    help=f"corpus sizes in tokens, each at least {MIN_TOKENS_PER_RANK:,} per rank; the first is "
                         "the baseline")

@@ -1,15 +1,15 @@
 """Everything this guide measures on a GPU, in one command, into one folder.
 
-    python -m common.gpu_check --download-wheels     # here, online: the wheels a GPU machine lacks
-    python -m common.gpu_check --out gpu-results     # on the GPU machine, offline
-    python -m common.gpu_check --out gpu-results --dry-run   # the steps, without running them
-    python -m common.gpu_check --out suite --no-bench -k "not chapter_05"   # a part of it
-    python -m common.gpu_check --out rehearsal --rehearsal   # no GPU here: the same steps on the CPU
+    python -m tools.gpu_check --download-wheels     # here, online: the wheels a GPU machine lacks
+    python -m tools.gpu_check --out gpu-results     # on the GPU machine, offline
+    python -m tools.gpu_check --out gpu-results --dry-run   # the steps, without running them
+    python -m tools.gpu_check --out suite --no-bench -k "not chapter_05"   # a part of it
+    python -m tools.gpu_check --out rehearsal --rehearsal   # no GPU here: the same steps on the CPU
 
 On the GPU machine it (1) installs what cannot be imported there (`datasets`, say) from
 the wheels brought along in `.whl/` (no registry needed; into a folder of its own, see
 `plan`), (2) runs the GPU test suite (`python -m pytest -q -m gpu tests/`, JUnit XML and
-log), (3) runs the model benchmark in bf16 (`python -m common.bench_model`, presets small,
+log), (3) runs the model benchmark in bf16 (`python -m tools.bench_model`, presets small,
 base and medium at sequence 1024, eager and compiled), and (4) writes `results.json`: the
 device, driver, torch and CUDA versions, the date, each step's outcome and time, and the
 throughput targets met or not. Every file lands in the folder given, which must be new or
@@ -38,8 +38,8 @@ from pathlib import Path
 
 import torch
 
-from .errors import fail
-from .jsonfiles import read_json_or_none, write_json
+from common.errors import fail
+from common.files import read_json, write_json
 
 REPO = Path(__file__).resolve().parents[1]
 WHEELS = REPO / ".whl"
@@ -120,7 +120,7 @@ def plan(out: Path, missing: list[str], wheels: Path = WHEELS, tests: bool = Tru
                           env={"LLM_GUIDE_GPU_RESULTS": str(out),
                                **({"LLM_GUIDE_GPU_REHEARSAL": "1"} if rehearsal else {})}))
     if bench:
-        steps.append(Step("bench_model", [py, "-m", "common.bench_model",
+        steps.append(Step("bench_model", [py, "-m", "tools.bench_model",
                                           *(REHEARSAL_BENCH_ARGS if rehearsal else BENCH_ARGS),
                                           "--json", str(out / "bench_model.json")], "bench_model.log"))
     return steps
@@ -240,7 +240,7 @@ def download_wheels(dest: Path, python_version: str, packages: list[str], exclud
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m common.gpu_check", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m tools.gpu_check", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     p.add_argument("--out", type=Path, help="the folder every result goes into (new or empty)")
     p.add_argument("--dry-run", action="store_true", help="print the steps; run and create nothing")
@@ -285,7 +285,7 @@ def main(argv=None) -> int:
                  select=args.select, rehearsal=args.rehearsal)
     if missing and not args.wheels.is_dir():
         fail(f"cannot import {', '.join(missing)}, and there are no wheels in {args.wheels} to install "
-             f"from (python -m common.gpu_check --download-wheels, where PyPI is reachable)")
+             f"from (python -m tools.gpu_check --download-wheels, where PyPI is reachable)")
     if args.dry_run:
         print(f"would write into {out}:")
         if not missing:
@@ -302,8 +302,8 @@ def main(argv=None) -> int:
              f"{results['environment']['cuda_devices']}, driver {results['environment']['nvidia_smi'].get('driver')}")
     print(f"{where}, torch {torch.__version__}: results into {out}", flush=True)
     run_steps(steps, out, SITE if from_site else None, results)
-    results["gpu_tests"] = read_json_or_none(out / "gpu_tests.json")
-    results["bench_model"] = read_json_or_none(out / "bench_model.json")
+    results["gpu_tests"] = read_json(out / "gpu_tests.json")
+    results["bench_model"] = read_json(out / "bench_model.json")
     results["targets"] = targets(results)
     write_json(out / "results.json", results)
     for t in results["targets"]:

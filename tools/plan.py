@@ -1,10 +1,10 @@
 """The plan on paper: what each rank holds, sends and saves for a model, a batch and a
 cluster, per way of distributing the training state, before renting the cluster.
 
-    python -m common.plan --model-preset large --seq-length 2048 --gpus-per-node 8
-    python -m common.plan --layers 32 --hidden-size 4096 --heads 32 --intermediate-size 11008 \\
+    python -m tools.plan --model-preset large --seq-length 2048 --gpus-per-node 8
+    python -m tools.plan --layers 32 --hidden-size 4096 --heads 32 --intermediate-size 11008 \\
         --vocab-size 32000 --seq-length 4096 --gpus-per-node 8 --nodes 2 --precision bf16
-    python -m common.plan --params 7e9 --gpus-per-node 8      # no shape: no units, no activations
+    python -m tools.plan --params 7e9 --gpus-per-node 8      # no shape: no units, no activations
 
 Modes as chapter 05 names them: ddp (everything on every rank), zero1 (as chapter 05
 builds it), zero2 (the textbook stage; chapter 05 does not build it), zero3 and fsdp2
@@ -13,7 +13,7 @@ builds it), zero2 (the textbook stage; chapter 05 does not build it), zero3 and 
 Per rank: the parameters, gradients and AdamW state held between steps (the worst
 rank, padding and AdamW's 4-byte step counters included), the activations saved for
 backward with and without activation checkpointing; per step: the bytes each rank
-sends with ring collectives (nccl-tests' bus factors, `common.sharding.RING_FACTOR`)
+sends with ring collectives (nccl-tests' bus factors, `RING_FACTOR`)
 and their time at a bus bandwidth; the checkpoint's size and its save and resume time
 at a disk bandwidth. tests/test_plan.py and tests/test_ch05_sharded.py hold the
 formulas against what chapter 05's modes and autograd really hold and send.
@@ -27,13 +27,16 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 
-from .cli import Parser, comma_list, one_of, positive_float, positive_int
-from .errors import UsageError
-from .model import PRESETS, LlamaConfig, get_config
-from .sharding import RING_FACTOR
-from .tables import markdown_table
+from common.cli import Parser, comma_list, one_of, positive_float, positive_int
+from common.errors import UsageError
+from common.model import PRESETS, LlamaConfig, get_config
+from common.tables import markdown_table
 
 MODES = ("ddp", "zero1", "zero2", "zero3", "fsdp2")
+# What a rank sends per byte of the array with a ring algorithm, on n ranks (nccl-tests'
+# bus factors; 05-collectives/bench_collectives.py derives them)
+RING_FACTOR = {"all_gather": lambda n: (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+               "all_reduce": lambda n: 2 * (n - 1) / n}
 STEP_COUNTER = 4  # bytes: AdamW's `step`, one fp32 scalar per tensor it updates
 MAX_RANKS = 1_000_000  # ten times the largest training clusters
 MAX_LAYERS = 10_000  # a hundred times the deepest models; the plan lists every layer's tensors
@@ -281,7 +284,7 @@ NEEDED = ("layers", "hidden_size", "heads", "intermediate_size")
 
 
 def parse_args(argv=None):
-    p = Parser(prog="python -m common.plan", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m tools.plan", description=__doc__.split("\n\n")[0])
     g = p.add_argument_group("model (a preset, a shape, or only a parameter count)")
     g.add_argument("--model-preset", type=one_of(*PRESETS), default=None,
                    help=f"{', '.join(PRESETS)} (default: small, unless a shape or --params is given); "

@@ -1,4 +1,4 @@
-"""Lay many runs side by side: `python -m common.report [RUN_DIR ...]`.
+"""Lay many runs side by side: `python -m tools.report [RUN_DIR ...]`.
 
 Reads every `summary.json` under the given folders (default: `outputs/`), prints one
 Markdown comparison table and writes, into `--out`:
@@ -38,13 +38,12 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .cli import DEFAULT_SAVE_DIR, Parser, check_writable_folder
-from .durable import atomic_write
-from .errors import UsageError
-from .jsonfiles import read_metrics
-from .peak_flops import busy as machine_busy
-from .tables import format_flops, markdown_table
-from .timing import PHASES
+from common.cli import DEFAULT_SAVE_DIR, Parser, check_writable_folder
+from common.files import atomic_write
+from common.errors import UsageError
+from common.metrics import busy as machine_busy, read_metrics
+from common.tables import format_flops, markdown_table
+from common.timing import PHASES
 
 # Keys without which a summary cannot be placed in the table.
 REQUIRED_KEYS = ("chapter", "experiment_name", "launcher", "world_size", "num_devices",
@@ -298,7 +297,7 @@ def render_report(runs: list[Run]) -> str:
                  "Peak memory: CUDA = allocator peak per GPU, RSS = peak resident set of "
                  "one process. MFU = model FLOP/s per device over the peak FLOP/s: a "
                  "known GPU's datasheet peak, else the matmul peak measured on the device "
-                 "(`python -m common.peak`).")
+                 "(`python -m tools.peak`).")
     notes = notes_section(runs)
     if notes:
         parts.append("Notes:\n" + "\n".join(notes))
@@ -505,7 +504,7 @@ def check_not_theirs(md: Path) -> None:
 
 
 def main(argv=None) -> int:
-    p = Parser(prog="python -m common.report", description="Compare runs: Markdown table and PNG plots.")
+    p = Parser(prog="python -m tools.report", description="Compare runs: Markdown table and PNG plots.")
     p.add_argument("run_dirs", nargs="*", metavar="RUN_DIR",
                    help=f"run folders or their parents (default: {DEFAULT_SAVE_DIR})")
     p.add_argument("--include-archived", action="store_true",

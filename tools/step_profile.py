@@ -8,19 +8,19 @@ the kernels' own time on the device, and what is left of the step is time the GP
 idle, waiting for the host to launch work; on a CPU it is each operator's own time on
 the calling thread. The matmuls' and attention's FLOP/s inside their own kernels say
 whether those kernels are slow or just a small part of the step.
-`python -m common.bench_model --profile` prints it and saves it with the benchmark.
+`python -m tools.bench_model --profile` prints it and saves it with the benchmark.
 """
 
 from __future__ import annotations
 
-import os
 import re
 
 import torch
 from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import profile
 
-from .tables import format_flops, markdown_table
+from common.environment import profiler_activities
+from common.tables import format_flops, markdown_table
 
 OPTIMIZER = "optimizer"  # the record_function range around clipping, step and zero_grad
 KINDS = ("matmul", "attention", "optimizer", "other")
@@ -81,18 +81,6 @@ def work_by_name(events, cuda: bool) -> dict[str, list]:
         if name in work:
             work[name][2] = work[name][1] * min(1.0, n / work[name][0])
     return work
-
-
-def profiler_activities(device: torch.device) -> list:
-    """What torch.profiler records on `device`: the host's operators, and on a GPU its
-    kernels too. On a CPU the profiler's tracing library (Kineto) would print a `USDT:
-    ... profiler_start` and a `profiler_stop` line per recording, trace markers that read
-    like errors: its log is silenced there (a KINETO_LOG_LEVEL of your own is kept). On a
-    GPU it stays, since there it says when the GPU's activity cannot be recorded."""
-    if device.type == "cuda":
-        return [ProfilerActivity.CPU, ProfilerActivity.CUDA]
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # read when a recording starts
-    return [ProfilerActivity.CPU]
 
 
 def profile_step(step, device: torch.device, steps: int, step_s: float, matmul_flops: float,

@@ -1,16 +1,16 @@
-"""Run every chapter in order, then compare them: `python -m common.tour`.
+"""Run every chapter in order, then compare them: `python -m tools.tour`.
 
 Each chapter is launched as a real subprocess, exactly as its README launches it (python
 for 01 and 02, torchrun for 03, 04 and 05), on the embedded dataset with a small model
 and short runs: a few minutes on a laptop CPU, larger sizes on GPUs. Every chapter's full
 output is saved to `<out>/<name>.log`; at the end the terminal shows a narrow comparison
 (tokens/s, loss, notes) and chapter 05's tables (its overlap timeline too), and
-`<out>/report.md` holds everything: `common.report`'s table with every column and its
+`<out>/report.md` holds everything: `tools.report`'s table with every column and its
 plots, chapter 05's tables, the explanations, and a list of every file produced.
 
-    python -m common.tour                      # everything
-    python -m common.tour --chapters 01,03     # a subset
-    python -m common.tour --dry-run            # only print the commands
+    python -m tools.tour                      # everything
+    python -m tools.tour --chapters 01,03     # a subset
+    python -m tools.tour --dry-run            # only print the commands
 """
 
 from __future__ import annotations
@@ -24,15 +24,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import report, sharding, timeline
-from .cli import DEFAULT_SAVE_DIR, REPO_ROOT, Parser, check_writable_folder, one_of, unused_name
-from .errors import UsageError
-from .jsonfiles import read_json_or_none
-from .model import PRESETS
-from .runfolder import claim_run_folder, holds_results
-from .tables import markdown_table
+from . import report
+from .chapters import BY_FOLDER, CHAPTERS
+from common.cli import DEFAULT_SAVE_DIR, REPO_ROOT, Parser, check_writable_folder, one_of, unused_name
+from common.errors import UsageError
+from common.model import PRESETS
+from common.runfolder import claim_run_folder, holds_results
 
-CHAPTERS = ("01-single-gpu", "02-data-parallel", "03-ddp", "04-checkpointing", "05-collectives")
 
 
 @dataclass
@@ -71,19 +69,19 @@ def parse_chapters(text: str) -> list[str]:
     """'01,03' or '01-single-gpu,03-ddp' -> chapter folder names, in tour order."""
     wanted = set()
     for item in filter(None, (t.strip() for t in text.split(","))):
-        match = [c for c in CHAPTERS if item in (c, c[:2], c[:2].lstrip("0"))]
+        match = [c.folder for c in CHAPTERS if item in (c.folder, c.number, c.number.lstrip("0"))]
         if not match:
             raise UsageError(f"--chapters: unknown chapter {item!r}; choose from "
-                             f"{', '.join(c[:2] for c in CHAPTERS)} (or the folder names)")
+                             f"{', '.join(c.number for c in CHAPTERS)} (or the folder names)")
         wanted.add(match[0])
     if not wanted:
         raise UsageError("--chapters: name at least one chapter, e.g. --chapters 01,03")
-    return [c for c in CHAPTERS if c in wanted]
+    return [c.folder for c in CHAPTERS if c.folder in wanted]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="python -m common.tour", description=__doc__.split("\n\n")[0])
-    p.add_argument("--chapters", default=",".join(c[:2] for c in CHAPTERS),
+    p = Parser(prog="python -m tools.tour", description=__doc__.split("\n\n")[0])
+    p.add_argument("--chapters", default=",".join(c.number for c in CHAPTERS),
                    help="comma-separated chapters to run, e.g. 01,03 (default: all)")
     # the chapters' names for the same settings; the short ones stay as aliases
     p.add_argument("--model-preset", "--preset", dest="preset", default=None, type=one_of(*PRESETS),
@@ -195,31 +193,26 @@ def build_plan(args) -> list[Step]:
 
     plan = []
     for chapter in args.chapter_list:
-        script = f"{chapter}/train_llm.py"
-        if chapter == "01-single-gpu":
-            plan.append(step(chapter, chapter, (py_exec, py_show), [script, *train_flags(chapter)]))
-        elif chapter == "02-data-parallel":
+        c, script = BY_FOLDER[chapter], f"{chapter}/train_llm.py"
+        launch = (py_exec, py_show) if c.launcher == "python" else torchrun(s.nproc)
+        flags, note = [script, *train_flags(chapter), *c.tour_flags], ""
+        if chapter == "02-data-parallel":
             note = ("one process; DataParallel splits each batch over the visible GPUs"
                     if args.gpus > 1 else
                     "one process; with fewer than 2 GPUs DataParallel has nothing to split "
                     "over, so the script trains the plain module and says so")
-            plan.append(step(chapter, chapter, (py_exec, py_show), [script, *train_flags(chapter)],
-                             note=note))
-        elif chapter == "03-ddp":
-            plan.append(step(chapter, chapter, torchrun(s.nproc), [script, *train_flags(chapter)],
-                             note=f"{s.nproc} process(es) of batch {s.batch_size}: global batch "
-                                  f"{s.nproc * s.batch_size}"))
-        elif chapter == "04-checkpointing":
+        elif chapter == "04-checkpointing":  # a crash on purpose, and torchrun's restart
             freq, crash = crash_plan(s.steps)
-            exec_prefix, show_prefix = torchrun(s.nproc)
-            launch = (exec_prefix + ["--max-restarts=3"], show_prefix + ["--max-restarts=3"])
-            plan.append(step(chapter, chapter, launch,
-                             [script, *train_flags(chapter), "--ckpt-freq", str(freq),
-                              "--crash-at-step", str(crash)],
-                             note=f"checkpoints every {freq} steps and crashes on purpose at step "
-                                  f"{crash}; torchrun restarts it and it resumes from step {freq}"))
-        elif chapter == "05-collectives":
+            launch = tuple(prefix + ["--max-restarts=3"] for prefix in launch)
+            flags += ["--ckpt-freq", str(freq), "--crash-at-step", str(crash)]
+            note = (f"checkpoints every {freq} steps and crashes on purpose at step {crash}; "
+                    f"torchrun restarts it and it resumes from step {freq}")
+        elif chapter == "03-ddp":
+            note = f"{s.nproc} process(es) of batch {s.batch_size}: global batch {s.nproc * s.batch_size}"
+        if chapter == "05-collectives":
             plan += collectives_steps(args, out, step, torchrun)
+        else:
+            plan.append(step(chapter, chapter, launch, flags, note=note))
     return plan
 
 
@@ -320,96 +313,6 @@ def chapter_error(path: Path) -> str | None:
     return next((line for line in log_lines(path) if line.startswith("error: ")), None)
 
 
-def bench_table(obj) -> str | None:
-    """bench_collectives.json as one row per message size, one busbw column per collective
-    (the number to hold against the link speed), plus the time per call of the largest."""
-    rows = obj.get("rows") if isinstance(obj, dict) else None
-    if not rows:
-        return None
-    ops = list(dict.fromkeys(r["op"] for r in rows))
-    sizes = sorted({r["requested_bytes"] for r in rows})
-    cell = {(r["op"], r["requested_bytes"]): r for r in rows}
-    header = ["size"] + ops
-    body = [[_bytes(n)] + [_gbps(cell[op, n]["busbw_gbps"]) if (op, n) in cell else "-" for op in ops]
-            for n in sizes]
-    body.append([f"time/call at {_bytes(sizes[-1])}"] +
-                [f"{cell[op, sizes[-1]]['time_s'] * 1e6:,.0f} us" if (op, sizes[-1]) in cell else "-"
-                 for op in ops])
-    head = (f"{obj.get('world_size')} ranks, {obj.get('backend')}, {obj.get('device_name')}, "
-            f"{obj.get('dtype')}, {obj.get('iters')} timed calls per size; busbw in GB/s")
-    return head + "\n\n" + markdown_table(header, body, right=range(1, len(header))) + "".join(f"\nnote: {n}" for n in obj.get("notes") or [])
-
-
-def scratch_table(obj) -> str | None:
-    """ddp_from_scratch.json: one row per mode (hand-written data parallelism vs DDP)."""
-    modes = obj.get("modes") if isinstance(obj, dict) else None
-    if not modes:
-        return None
-    rows = []
-    for mode, r in modes.items():
-        sync = r.get("sync_time_s_median")
-        diff = r.get("max_abs_diff_vs_ddp")
-        vs = r.get("tokens_per_s_vs_ddp")
-        rows.append((mode, f"{r['tokens_per_s']:,.0f}", f"{100 * vs:.1f}%" if vs else "n/a",
-                     f"{r['step_time_s_median'] * 1e3:,.1f}",
-                     f"{sync * 1e3:,.1f}" if sync is not None else "inside backward",
-                     str(r.get("allreduce_calls_per_step") or "DDP's buckets"),
-                     f"{diff:.2e}" if diff is not None else "n/a"))
-    header = ("mode", "tokens/s", "vs DDP", "step ms", "exposed all-reduce ms",
-              "all_reduce calls/step", "max abs diff vs DDP")
-    verdict = ("every mode matches DDP" if obj.get("passed")
-               else "MISMATCH: " + "; ".join(obj.get("failures") or []))
-    steps, warmup = obj.get("steps"), obj.get("timing_warmup")
-    timed = (f"{steps} steps per mode, the first {min(warmup, steps - 1)} left out of the medians"
-             if isinstance(steps, int) and isinstance(warmup, int) else f"{steps} steps per mode")
-    head = (f"{obj.get('world_size')} ranks, {obj.get('backend')}, {obj.get('device_name')}, "
-            f"preset {obj.get('model_preset')}, {timed}: {verdict}")
-    return head + "\n\n" + markdown_table(header, rows, right=range(1, len(header)))
-
-
-def overlap_table(obj) -> str | None:
-    """overlap_timeline.json: each mode's collective time and the part of it during backward."""
-    modes = obj.get("modes") if isinstance(obj, dict) else None
-    if not modes:
-        return None
-    head = (f"{obj.get('world_size')} ranks, {obj.get('backend')}, {obj.get('device_name')}, "
-            f"one traced step per mode")
-    return head + "\n\n" + timeline.table(modes)
-
-
-def _gbps(x: float) -> str:
-    return f"{x:.3g}" if x < 1 else f"{x:,.2f}"
-
-
-def _bytes(n: int) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:g} {unit}"
-    return f"{n} B"
-
-
-def sharded_tables(obj) -> str | None:
-    """sharded_from_scratch.json: the memory and the traffic of each sharding mode."""
-    modes = obj.get("modes") if isinstance(obj, dict) else None
-    if not modes:
-        return None
-    try:
-        memory, comm = sharding.memory_table(modes), sharding.comm_table(modes)
-    except (KeyError, TypeError, AttributeError):
-        return None  # a file from another version: its own log has the tables
-    verdict = "every mode matches DDP" if obj.get("passed") else \
-        "MISMATCH: " + "; ".join(obj.get("failures") or [])
-    return (f"{obj.get('world_size')} ranks, {obj.get('backend')}, {obj.get('device_name')}: "
-            f"{verdict}\n\n{memory}\n\n{comm}")
-
-
-CHAPTER_05_TABLES = (("bench_collectives.json", "05 collective benchmark", bench_table),
-                     ("ddp_from_scratch.json", "05 data parallelism from collectives", scratch_table),
-                     ("sharded_from_scratch.json", "05 sharded training from collectives", sharded_tables),
-                     ("overlap_timeline.json", "05 overlap timeline (open trace-<mode>.json in ui.perfetto.dev)",
-                      overlap_table))
-
-
 def scaling(runs: list[report.Run]) -> str | None:
     """The scaling efficiency of each run that measured one (its tokens/s per process over
     chapter 01's run), or n/a and why when any run of the comparison shared a busy
@@ -458,14 +361,11 @@ def print_summary(args, steps_run: list[Step], started: float):
     print(f"\n=== tour finished in {_clock(time.perf_counter() - started)}: comparison ===\n", flush=True)
     runs = report.load_runs(report.find_summaries([out]))
     said = explanations(args, runs) if runs else []
-    tables = []  # (title, json file, table)
-    for name, title, render in CHAPTER_05_TABLES:
-        for path in sorted(out.rglob(name)):
-            table = render(read_json_or_none(path))
-            if table:
-                tables.append((title, path, table))
-    sections = [*said, *(f"## {title}\n\nfrom `{path.relative_to(out)}`\n\n{table}"
-                         for title, path, table in tables)]
+    # what a chapter's scripts want in the report beyond their summary.json (chapter 05's
+    # benchmark and proofs): a tables.md in their run folder
+    tables = [(path, path.read_text().strip()) for path in sorted(out.glob("*/tables.md"))]
+    sections = [*said, *(f"## {path.parent.name}\n\nfrom `{path.relative_to(out)}`\n\n{table}"
+                         for path, table in tables)]
     _, files = report.write_report(runs, out, sections)
     md = out / "report.md"
     produced = sorted(p.relative_to(out) for p in out.rglob("*") if p.is_file())
@@ -481,9 +381,9 @@ def print_summary(args, steps_run: list[Step], started: float):
             print(f"\n{warning}")
     for text in said:
         print(f"\n{text}")
-    for title, path, table in tables:
-        print(f"\n{title} ({_rel(path)}):\n\n{table}")
-    print(f"\nthe full comparison (every column), chapter 05's tables and the list of all "
+    for path, table in tables:
+        print(f"\n{path.parent.name} ({_rel(path)}):\n\n{table}")
+    print(f"\nthe full comparison (every column), the chapters' tables and the list of all "
           f"{len(produced)} files: {_rel(md)}; beside it:")
     for f in files[1:]:
         print(f"  {_rel(f)}")

@@ -5,8 +5,8 @@ nothing else), its own cache folder (LLM_GUIDE_CACHE) and its own save folder: n
 network, no shared filesystem, the way two real machines meet. A chapter then runs on
 both with the command a reader types on two machines:
 
-    sudo python -m common.two_hosts 03-ddp/train_llm.py --max-steps 20
-    sudo python -m common.two_hosts --nproc-per-node 2 04-checkpointing/train_llm.py --experiment-name run1
+    sudo python -m tools.two_hosts 03-ddp/train_llm.py --max-steps 20
+    sudo python -m tools.two_hosts --nproc-per-node 2 04-checkpointing/train_llm.py --experiment-name run1
 
 It prints each host's command, runs them with their output prefixed [host1]/[host2],
 and removes the namespaces on exit, Ctrl-C or failure. Needs root and `ip` (iproute2).
@@ -116,7 +116,7 @@ def create_hosts(workdir: Path, *, prefix: str = "llmg", subnet: str = "10.77.0.
     existing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
     if any(n in existing for n in names):
         raise HostError(f"namespaces {names[0]}/{names[1]} already exist: another run is going on, "
-                        f"or remove them with `python -m common.two_hosts --teardown --prefix {prefix}`")
+                        f"or remove them with `python -m tools.two_hosts --teardown --prefix {prefix}`")
     hosts = Hosts(names, addrs, [Path(workdir) / "host1", Path(workdir) / "host2"])
     if any((NETNS_ETC / n).exists() for n in names):
         raise HostError(f"{NETNS_ETC / names[0]} already exists; remove it or choose another --prefix")
@@ -231,7 +231,7 @@ def run_on_both(hosts: Hosts, argvs: list[list[str]], env: dict | None = None) -
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
-        prog="python -m common.two_hosts",
+        prog="python -m tools.two_hosts",
         description="Run a chapter on two simulated machines (Linux network namespaces joined "
                     "by a veth pair; separate caches and save folders). Needs root and iproute2.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)

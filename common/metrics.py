@@ -1,0 +1,427 @@
+"""What a run records and prints, in one place: the log line of each logged step and
+`metrics.jsonl`, the progress bar, `summary.json` with its MFU, and the throughput table
+rank 0 prints at the end. Only rank 0 writes and shows anything; the other ranks time
+their steps all the same. Below it: `timing` (phase timers, tokens/s) and `peak_flops`
+(the peak FLOP/s that MFU divides by).
+
+    tracker = Tracker(CHAPTER, run_dir, device, total_steps, tokens_per_step, log,
+                      threads=threads, args=args, dtype=dtype, ...)    # the run's facts
+    tracker.start_step();  with tracker.phase("forward"): ...;  tracker.end_step(n_tokens)
+    tracker.log(step, loss=..., lr=...)              # on logging steps
+    tracker.finish(final_loss=..., val_loss=...)     # summary.json, then the table
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from .data import show_progress
+from .environment import device_name, launcher, peak_memory_mb
+from .errors import fail
+from .files import atomic_write, folder_mb, one_line, read_json, write_json
+from .peak_flops import device_peak
+from .tables import format_flops, markdown_table
+from .timing import PHASES, PhaseTimer, StepStats
+
+
+# ---- metrics.jsonl: one JSON object per logged step ------------------------------------
+
+class MetricsWriter:
+    """Appends one JSON line per logged step, line-buffered: a crash loses nothing."""
+
+    def __init__(self, path, append: bool = False):
+        self.path = Path(path)
+        self.f = open(self.path, "a" if append else "w", buffering=1)
+
+    def write(self, record: dict):
+        self.f.write(json.dumps(record) + "\n")
+
+    def close(self):
+        try:  # after a failed write (a full disk) the buffer is dropped, not retried at exit
+            self.f.close()
+        except OSError:
+            pass
+
+
+def read_metrics(path) -> list[dict]:
+    """The records of a metrics.jsonl; a line that is not one JSON object (torn by a kill,
+    not UTF-8, nested too deep) is skipped: one bad line must not block a resume."""
+    records = []
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                record = json.loads(line.decode("utf-8"))
+            except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+                continue
+            if isinstance(record, dict):
+                records.append(record)
+    return records
+
+
+def busy(load: float | None, cores: int) -> bool:
+    """Other programs took CPU time: the load average went above the cores by more than
+    half a core (a run that keeps every core busy itself sits at about `cores`)."""
+    return load is not None and load > cores + 0.5
+
+
+def load_average() -> float | None:
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
+# ---- the loop's bookkeeping --------------------------------------------------------------
+
+class Tracker:
+    def __init__(self, chapter: str, run_dir: Path, device, total_steps: int, tokens_per_step: int,
+                 log, *, threads: tuple[int, int], args, dtype: str, num_params: int,
+                 flops_per_token: float, extra: dict | None = None, rank: int = 0,
+                 world_size: int = 1, num_devices: int | None = None, backend: str | None = None,
+                 start_step: int = 0):
+        """`threads`: (threads per process, processes on this machine), as the chapter's
+        setup() set them; `args` on: the run's facts for summary.json; `num_devices`
+        defaults to one per process; `start_step`: a resumed run's first step."""
+        self.chapter, self.run_dir, self.device, self.logger = chapter, Path(run_dir), device, log
+        self.total_steps, self.tokens_per_step, self.rank = total_steps, tokens_per_step, rank
+        self.facts = dict(args=args, dtype=dtype, num_params=num_params, flops_per_token=flops_per_token,
+                          extra=extra or {}, world_size=world_size, num_devices=num_devices or world_size,
+                          backend=backend, threads=threads)
+        self.timer, self.stats = PhaseTimer(device), StepStats()
+        self.load_max = load_average()
+        # --padded: tokens/s counts the padding; the real tokens are added up on the
+        # device (no wait per step) and read at log time, when the loss is read anyway
+        self.padded = bool(getattr(args, "padded", False))
+        self.window_real, self.real_measured, self.real_all = [], 0, 0
+        self.saves = []  # (MB, seconds) of each checkpoint saved
+        self.first_step_start = self.first_step_s = None
+        self.t_start = time.perf_counter()
+        self.writer = self._open_metrics(start_step) if rank == 0 else None
+        # log lines go through tqdm.write while the bar is shown, so neither garbles the other
+        self._redirect = logging_redirect_tqdm() if rank == 0 and show_progress() else None
+        if self._redirect:
+            self._redirect.__enter__()
+        self.bar = tqdm(total=total_steps, initial=start_step, desc=chapter, dynamic_ncols=True,
+                        disable=rank != 0 or not show_progress())
+
+    def _open_metrics(self, start_step: int) -> MetricsWriter:
+        path = self.run_dir / "metrics.jsonl"
+        try:
+            if start_step and path.exists():  # a resumed run: drop the lines it will redo
+                kept = [r for r in read_metrics(path) if isinstance(r.get("step"), int) and r["step"] <= start_step]
+                text = "".join(json.dumps(r) + "\n" for r in kept)
+                atomic_write(path, lambda f: f.write(text.encode()))
+            return MetricsWriter(path, append=start_step > 0)
+        except OSError as e:  # a full disk, or a folder in its place: one line
+            fail(f"writing {path} failed ({one_line(e)}); free some space (or move what is there "
+                 f"aside) and run again", status=1)
+
+    def phase(self, name: str):
+        """`with tracker.phase("forward"):` times the block into this step's split."""
+        return self.timer.phase(name)
+
+    def start_step(self):
+        if self.first_step_start is None:
+            self.first_step_start = time.perf_counter()
+        self.timer.reset()
+
+    def end_step(self, real_tokens=None):
+        """`real_tokens`: the step's real target tokens in the whole global batch (an int,
+        or a tensor on the device: only added up here, never waited for)."""
+        if self.first_step_s is None:  # with --compile, the first step compiles
+            self.first_step_s = time.perf_counter() - self.first_step_start
+        self.stats.add(self.timer, self.tokens_per_step)  # no wait for the device here
+        real = self.tokens_per_step if real_tokens is None else real_tokens
+        self.window_real.append(real)
+        self.real_all = self.real_all + real
+        if len(self.stats.steps) > self.stats.warmup:  # the steps the headline tokens/s measures
+            self.real_measured = self.real_measured + real
+        self.bar.update()
+
+    def log(self, step: int, **values):
+        """One metrics line (rank 0): the values given, the window's tokens/s and this
+        step's phase times; then the progress bar and the log line."""
+        loads = [x for x in (self.load_max, load_average()) if x is not None]
+        self.load_max = max(loads) if loads else None  # the machine's load while this run trains
+        window = self.stats.end_window()  # one wait for the device per window
+        counted = self.window_real[len(self.window_real) - min(window.steps, len(self.window_real)):]
+        self.window_real = []
+        if not math.isfinite(values.get("loss", 0.0)):
+            return self._diverged(step, values)
+        if self.rank != 0:
+            return
+        record = {"step": step, **values, "tokens_per_s": window.tokens_per_s}
+        if self.padded:
+            record["real_tokens_per_s"] = window.tokens_per_s * float(sum(counted)) / (
+                self.tokens_per_step * max(1, len(counted)))
+        record.update({f"{k}_s": v for k, v in window.phase_s.items()},
+                      elapsed_s=time.perf_counter() - self.t_start)
+        try:
+            self.writer.write(record)
+        except OSError as e:  # the disk filled up mid-run: one line, not a traceback
+            self.close()
+            fail(f"writing {self.run_dir / 'metrics.jsonl'} failed ({one_line(e)}); free some space "
+                 f"and run again", status=1)
+        self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
+        real = f" ({record['real_tokens_per_s']:,.0f} real)" if self.padded else ""
+        self.logger.info("step %d/%d | loss %.4f | lr %.2e | %.0f tokens/s%s", step, self.total_steps,
+                         record["loss"], record["lr"], record["tokens_per_s"], real)
+
+    def _diverged(self, step: int, values: dict):
+        """A non-finite loss: more steps only spread NaN. Keep what the run produced
+        (metrics up to here, a summary saying where), then stop with one line."""
+        if self.rank == 0:
+            self.writer.write({"step": step, **values})
+            write_json(self.run_dir / "summary.json", {
+                "chapter": self.chapter, "diverged_at_step": step, "loss": str(values["loss"]),
+                "steps": len(self.stats.steps)})
+        self.close()
+        fail(f"the loss is {values['loss']} at step {step}: the run diverged (lower --lr, or "
+             f"check the data); metrics.jsonl and summary.json in {self.run_dir} say where", status=1)
+
+    def saved(self, checkpoint: tuple[Path, float]) -> Path:
+        """Note a checkpoint save, (folder, seconds), which tokens/s leaves out."""
+        path, seconds = checkpoint
+        if self.timer.window_start is not None:
+            self.timer.window_start += seconds
+        if self.rank == 0:
+            self.saves.append((folder_mb(path), seconds))
+            self.logger.info("checkpoint %s: %.1f MB in %.2f s", path, *self.saves[-1])
+        return path
+
+    def close(self):
+        """End of training: the bar goes, log lines print plainly again."""
+        self.bar.close()
+        if self._redirect:
+            self._redirect.__exit__(None, None, None)
+            self._redirect = None
+        if self.writer:
+            self.writer.close()
+            self.writer = None
+
+    def finish(self, *, final_loss: float | None, val_loss: float | None) -> dict | None:
+        """Rank 0: summary.json, then the throughput table."""
+        self.close()
+        if self.rank != 0:
+            return None
+        if not self.stats.steps:  # chapter 04: training ended in an earlier process
+            summary = self._untimed_summary(val_loss)
+        else:
+            summary = build_summary(chapter=self.chapter, device=self.device, stats=self.stats,
+                                    tokens_per_step=self.tokens_per_step, final_loss=final_loss,
+                                    val_loss=val_loss, wall_time_s=time.perf_counter() - self.t_start,
+                                    load_max=self.load_max, first_step_s=self.first_step_s,
+                                    saves=self.saves, real_tokens=self._real_tokens(), **self.facts)
+        try:
+            write_json(self.run_dir / "summary.json", summary)
+        except OSError as e:  # a full disk: one line, not a traceback
+            fail(f"writing {self.run_dir / 'summary.json'} failed ({one_line(e)}); free some space "
+                 f"and run again", status=1)
+        print(f"\n{throughput_table(summary) if self.stats.steps else summary['notes'][0]}"
+              f"\n\noutputs in {self.run_dir}", flush=True)
+        return summary
+
+    def _real_tokens(self) -> tuple[float, int] | None:
+        """--padded: (real tokens, steps) over the measured steps (all if none are)."""
+        if not self.padded:
+            return None
+        measured = len(self.stats.steps) - self.stats.warmup
+        return (float(self.real_measured), measured) if measured > 0 else (float(self.real_all), len(self.stats.steps))
+
+    def _untimed_summary(self, val_loss: float | None) -> dict:
+        logged = [r for r in read_metrics(self.run_dir / "metrics.jsonl") if "loss" in r]
+        return {"chapter": self.chapter, "experiment_name": self.facts["args"].experiment_name,
+                "world_size": self.facts["world_size"], "steps": self.total_steps,
+                "final_loss": logged[-1]["loss"] if logged else None, "val_loss": val_loss,
+                "notes": ["training ended in an earlier process; this one finished the run's end "
+                          "(validation, sample, weights, summary), so no speed was measured"]}
+
+
+# ---- summary.json ----------------------------------------------------------------------------
+
+def build_summary(*, chapter: str, args, world_size: int, device, dtype: str, num_params: int,
+                  flops_per_token: float, stats: StepStats, tokens_per_step: int,
+                  final_loss: float | None, val_loss: float | None, wall_time_s: float,
+                  num_devices: int = 1, backend: str | None = None, extra: dict | None = None,
+                  threads: tuple[int, int] = (0, 0), load_max: float | None = None,
+                  first_step_s: float | None = None, saves=(), real_tokens=None, peak=None) -> dict:
+    """Everything summary.json holds. MFU: the model's FLOP/s per device over `peak` (a
+    `peak_flops.Peak`; default the device's: its datasheet's, else measured here)."""
+    tps = stats.tokens_per_s()
+    per_device = tps / max(1, num_devices)
+    peak = peak or device_peak(device, dtype)
+    peak_mb, peak_kind = peak_memory_mb(device)
+    s = {"chapter": chapter, "experiment_name": args.experiment_name, "launcher": launcher(),
+         "world_size": world_size, "num_devices": num_devices, "backend": backend,
+         "device": torch.device(device).type, "device_name": device_name(device), "dtype": dtype,
+         "preset": args.model_preset, "num_params": num_params, "seq_length": args.seq_length,
+         "batch_size": args.batch_size, "tokens_per_step": tokens_per_step,
+         "steps": len(stats.steps), "measured_steps": len(stats.measured()),
+         "tokens_per_s": tps, "tokens_per_s_per_device": per_device,
+         "step_wall_s": stats.wall_time_per_step(), "step_time_s": stats.mean_phase_times(),
+         "peak_memory_mb": peak_mb, "peak_memory_kind": peak_kind,
+         "flops_per_token": flops_per_token, "model_flops_per_s": per_device * flops_per_token,
+         "peak_flops": peak.flops, "peak_source": peak.source, "peak_precision": peak.precision,
+         "mfu": per_device * flops_per_token / peak.flops,
+         "final_loss": final_loss, "val_loss": val_loss, "wall_time_s": wall_time_s,
+         "torch_version": torch.__version__, "args": dict(vars(args)),
+         "threads_per_process": threads[0], "processes_per_machine": threads[1],
+         "cpu_cores": os.cpu_count(), "load_avg_max": load_max, "first_step_s": first_step_s,
+         "compiled": bool(getattr(args, "compile", False)),
+         "activation_checkpointing": bool(getattr(args, "activation_checkpointing", False)),
+         "deterministic": torch.are_deterministic_algorithms_enabled(), **(extra or {})}
+    notes = []
+    if s["mfu"] > 1.0:  # a peak measured while other work loaded the device is too low
+        notes.append(f"MFU over 100%: the {peak.source} peak ({format_flops(peak.flops)}) is too low"
+                     + (" (measured while the machine was busy?): measure it again with "
+                        "`python -m tools.peak --remeasure`" if peak.source == "measured" else ""))
+    if torch.device(device).type == "cuda" and num_devices > 1 and world_size == 1:  # DataParallel
+        s["peak_memory_per_device_mb"] = [torch.cuda.max_memory_allocated(i) / 2**20
+                                          for i in range(torch.cuda.device_count())]
+    if s["compiled"] and first_step_s is not None:  # the first step compiles: not in tokens/s
+        s["compile_s"] = max(0.0, first_step_s - s["step_wall_s"])
+    if saves:
+        size_mb, save_s = saves[-1][0], sum(t for _, t in saves) / len(saves)
+        s["checkpoint"] = {"count": len(saves), "size_mb": size_mb, "save_s": save_s,
+                           "save_mb_per_s": size_mb / save_s}
+    if real_tokens:  # what the padding costs: the tokens/s that were real text
+        real, steps = real_tokens
+        s["real_tokens_per_s"] = tps * real / (tokens_per_step * steps) if steps else tps
+    if busy(load_max, s["cpu_cores"]):
+        notes.append(f"the machine was busy (load average up to {load_max:.1f} on {s['cpu_cores']} "
+                     f"cores): other programs took CPU time from this run")
+    if world_size > 1 and hasattr(args, "baseline"):
+        notes += scaling(s, find_baseline(args.baseline or args.save_dir, s))
+    if notes:
+        s["notes"] = [*s.get("notes", []), *notes]
+    return s
+
+
+def scaling(s: dict, baseline: dict | None) -> list[str]:
+    """Set the scaling efficiency (tokens/s per process over chapter 01's with the same
+    per-process batch; 1.0 = linear) unless either run shared a busy machine: load slows a
+    one-process run and a multi-process run unequally, so their ratio would measure the
+    load. Returns the notes to add."""
+    if not baseline:
+        return []
+    name = f"{baseline['chapter']} run {baseline['experiment_name']!r}"
+    if any(busy(r.get("load_avg_max"), r.get("cpu_cores") or 1) for r in (s, baseline)):
+        return [f"no scaling efficiency against {name}: one of the two ran on a busy machine"]
+    s["scaling_efficiency"] = s["tokens_per_s_per_device"] / baseline["tokens_per_s"]
+    s["baseline"] = name
+    threads = [r.get("threads_per_process", 0) * r.get("processes_per_machine", 0) for r in (s, baseline)]
+    if all(threads) and threads[0] != threads[1]:
+        return [f"CPU threads per machine differ from the baseline's ({threads[0]} vs {threads[1]}): "
+                f"not like for like"]
+    return []
+
+
+def baseline_problem(s) -> str | None:
+    """Why a parsed summary.json cannot be a baseline, or None."""
+    if not isinstance(s, dict):
+        return "not a JSON object"
+    tps = s.get("tokens_per_s")
+    if not (isinstance(tps, (int, float)) and math.isfinite(tps) and tps > 0):
+        return "no tokens_per_s above 0 in it"
+    missing = [k for k in ("chapter", "experiment_name") if k not in s]
+    if missing:
+        return f"no {' or '.join(missing)} in it"
+    if not isinstance(s.get("data") or {}, dict):
+        return "its data field is not an object"
+    if not all(isinstance(s.get(k, 0), (int, float)) for k in ("threads_per_process", "processes_per_machine",
+                                                             "cpu_cores")):
+        return "its thread counts are not numbers"
+    return None
+
+
+SAME = ("preset", "seq_length", "batch_size", "device", "dtype", "grad_accum")
+SAME_SWITCHES = ("compiled", "activation_checkpointing", "deterministic")
+
+
+def find_baseline(path, summary: dict) -> dict | None:
+    """A chapter 01 summary to compare a multi-process run against: the file itself if
+    `path` is one, else the newest chapter 01 run under `path` with the same preset,
+    sequence, per-process batch, accumulation, data form, device, dtype and switches."""
+    path = Path(path)
+    if path.is_file():
+        s = read_json(path)
+        return None if baseline_problem(s) else s
+    best, best_mtime = None, -1.0
+    for f in path.glob("*/summary.json") if path.is_dir() else []:
+        s = read_json(f) if f.is_file() else None
+        if baseline_problem(s) or s.get("chapter") != "01-single-gpu":
+            continue
+        same = (all(s.get(k) == summary.get(k) for k in SAME)
+                and (s.get("data") or {}).get("form") == (summary.get("data") or {}).get("form")
+                and all(bool(s.get(k)) == bool(summary.get(k)) for k in SAME_SWITCHES))
+        if same and f.stat().st_mtime > best_mtime:
+            best, best_mtime = s, f.stat().st_mtime
+    return best
+
+
+# ---- the table printed at the end ------------------------------------------------------------
+
+def _fmt(v, digits=1):
+    if v is None:
+        return "n/a"
+    return f"{v:,.{digits}f}" if isinstance(v, float) else f"{v:,}" if isinstance(v, int) else str(v)
+
+
+def mfu_text(s: dict) -> str:
+    """'23.4% of 95.3 GFLOP/s (measured fp32 matmul peak)', from a summary."""
+    if s.get("mfu") is None:
+        return "n/a (no peak FLOP/s)"
+    return (f"{100 * s['mfu']:.1f}% of {format_flops(s['peak_flops'])} "
+            f"({s['peak_source']} {s['peak_precision']} matmul peak)")
+
+
+def throughput_rows(s: dict) -> list[tuple[str, str]]:
+    """The rows every chapter prints; optional keys add rows when present."""
+    st = s["step_time_s"]
+    total = st.get("total") or 1.0
+    rows = [("chapter", s["chapter"]),
+            ("launcher / world size", f"{s['launcher']} / {s['world_size']}"
+             + (f" ({s['backend']})" if s.get("backend") else "")),
+            ("device", f"{s['device_name']} x {s['num_devices']}"),
+            ("dtype / preset / params", f"{s['dtype']} / {s['preset']} / {s['num_params'] / 1e6:.2f} M"),
+            ("tokens per step", _fmt(s["tokens_per_step"])),
+            ("tokens/s total", _fmt(s["tokens_per_s"]))]
+    if s.get("real_tokens_per_s") is not None:
+        rows.append(("tokens/s real (no padding)", _fmt(s["real_tokens_per_s"])))
+    rows += [("tokens/s per device", _fmt(s["tokens_per_s_per_device"])),
+             ("step time (ms, wall)", f"{s.get('step_wall_s', total) * 1e3:.1f}"),
+             ("phase split (estimate)", f"{total * 1e3:.1f} ms timed in phases")]
+    rows += [(f"  {p}", f"{st[p] * 1e3:.1f} ms ({100 * st[p] / total:.1f}%)") for p in PHASES]
+    if s.get("threads_per_process"):
+        rows.append(("CPU threads", f"{s['threads_per_process']} per process x "
+                     f"{s['processes_per_machine']} process(es) on this machine ({s['cpu_cores']} cores)"))
+    if s.get("load_avg_max") is not None:
+        rows.append(("machine load", f"{s['load_avg_max']:.1f} at most during the run"
+                     + (" (busy: not comparable)" if busy(s["load_avg_max"], s["cpu_cores"]) else "")))
+    rows.append(("peak memory", f"{s['peak_memory_mb']:,.0f} MB ({s['peak_memory_kind']})"))
+    rows += [(f"  device {i}", f"{mb:,.0f} MB") for i, mb in enumerate(s.get("peak_memory_per_device_mb") or [])]
+    rows += [("model FLOP/s per device", format_flops(s["model_flops_per_s"])), ("MFU", mfu_text(s))]
+    if s.get("compiled"):
+        rows.append(("torch.compile", f"yes: about {s.get('compile_s') or 0:,.1f} s to compile "
+                     f"(the first step; not in tokens/s)"))
+    if s.get("activation_checkpointing"):
+        rows.append(("activation checkpointing", "yes: each layer's forward runs again in backward"))
+    if s.get("deterministic"):
+        rows.append(("deterministic kernels", "yes: the same bits in every rerun"))
+    if s.get("scaling_efficiency") is not None and s["world_size"] > 1:  # one process scales nothing
+        rows.append(("scaling efficiency", f"{100 * s['scaling_efficiency']:.1f}% vs {s['baseline']}"))
+    if s.get("checkpoint"):
+        ck = s["checkpoint"]
+        rows += [("checkpoint size", f"{ck['size_mb']:,.1f} MB"),
+                 ("checkpoint save", f"{ck['save_s'] * 1e3:,.0f} ms ({ck['save_mb_per_s']:,.0f} MB/s)")]
+    rows.append(("final loss / val loss", f"{_fmt(s['final_loss'], 4)} / {_fmt(s['val_loss'], 4)}"))
+    return rows + [("note", note) for note in s.get("notes", [])]
+
+
+def throughput_table(summary: dict) -> str:
+    return markdown_table(("metric", "value"), throughput_rows(summary))
