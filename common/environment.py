@@ -1,11 +1,6 @@
-"""The machine and the process a run is on.
-
-- Facts: the device's name, what a reader needs to reproduce a run (`environment_info`),
-  the launcher, the peak memory.
-- The setup every chapter makes in sight, in its `setup()`: `exit_with_launcher` (under
-  torchrun no worker trains on as an orphan), `share_cpu_threads` (the same CPU threads
-  per machine in every chapter), `set_tf32` (fp32 matmuls on CUDA tensor cores).
-"""
+"""The machine and the process a run is on: facts (device name, `environment_info`, the
+launcher, peak memory), and the setup every chapter's `setup()` makes in sight
+(`exit_with_launcher`, `share_cpu_threads`, `set_tf32`)."""
 
 from __future__ import annotations
 
@@ -17,24 +12,21 @@ import signal
 import socket
 import sys
 import warnings
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity
 
-from common.errors import UsageError, fail
+from .errors import UsageError
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def set_tf32(enabled: bool) -> None:
     """Let fp32 matmuls and cuDNN convolutions on CUDA use TF32 tensor cores (10-bit
-    mantissa, several times faster), or not. Torch 2.9 on has two APIs for it, and reading
-    one that disagrees with the other is an error: written through the new one only
-    (`fp32_precision`), a read of the old `allow_tf32` or `get_float32_matmul_precision()`
-    raises, and torch's own compiler reads the old one in some versions (lowering a
-    `bmm` in 2.10, autotuning in 2.11). So both are written, to the same setting."""
+    mantissa, several times faster), or not. Both of torch's APIs for it are written, to
+    the same setting: reading one that disagrees with the other raises, and torch's own
+    compiler reads the old one in some versions."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the old API's deprecation notice
         torch.backends.cuda.matmul.allow_tf32 = enabled
@@ -45,8 +37,7 @@ def set_tf32(enabled: bool) -> None:
 
 
 def tf32_enabled() -> bool:
-    """Whether fp32 matmuls on CUDA may use TF32, read through the API `set_tf32` writes
-    (torch's default, 'none' on some versions, means IEEE fp32: TF32 matmuls are opt-in)."""
+    """Whether fp32 matmuls on CUDA may use TF32 (torch's default 'none' means no)."""
     return torch.backends.cuda.matmul.fp32_precision == "tf32"
 
 
@@ -95,8 +86,7 @@ def launcher() -> str:
 
 
 def peak_memory_mb(device: torch.device | str) -> tuple[float, str]:
-    """(peak MB, what was measured): the CUDA allocator's peak on GPU, else the
-    process's peak resident set size."""
+    """(peak MB, what): the CUDA allocator's peak, else the process's peak resident set."""
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20, "cuda_max_allocated"
@@ -108,9 +98,8 @@ def peak_memory_mb(device: torch.device | str) -> tuple[float, str]:
 
 def end_with_parent(sig: int) -> bool:
     """On Linux, ask the kernel to send this process `sig` the moment its parent dies
-    (PR_SET_PDEATHSIG); False where that cannot be asked (elsewhere, a no-op). A parent
-    that died before the request leaves this process with another parent: the caller
-    checks os.getppid()."""
+    (PR_SET_PDEATHSIG); False where that cannot be asked. A parent that died before the
+    request is not noticed: the caller checks."""
     if not sys.platform.startswith("linux"):
         return False
     try:
@@ -120,27 +109,20 @@ def end_with_parent(sig: int) -> bool:
 
 
 def exit_with_launcher():
-    """Under torchrun, on Linux (elsewhere a no-op): ask the kernel to send this process
-    SIGTERM when its parent (torchrun's agent) dies. If the parent is already gone (we
-    were orphaned before asking), exit now."""
+    """Under torchrun, on Linux: SIGTERM to this process when torchrun's agent dies (exit
+    now if it is already gone). No worker trains on as an orphan."""
     if "LOCAL_RANK" not in os.environ or not end_with_parent(signal.SIGTERM):
         return
     if os.getppid() == 1:
         sys.exit("error: the launcher (torchrun) is gone; stopping")
 
 
-class ThreadBudget(NamedTuple):
-    threads_per_process: int
-    processes_per_machine: int
-
-
 THREADS_ENV = "LLM_GUIDE_THREADS"
 
 
 def threads_override() -> int | None:
-    """LLM_GUIDE_THREADS, the CPU threads per process a user asks for; unset or empty:
-    None. Anything but a whole number >= 1 raises UsageError (the chapters' parsers check
-    it, so a bad value is one line and exit status 2 before any work)."""
+    """LLM_GUIDE_THREADS, the CPU threads per process a user asks for (None: unset).
+    UsageError unless a whole number >= 1 (the chapters' parsers check it)."""
     value = os.environ.get(THREADS_ENV, "").strip()
     if not value:
         return None
@@ -149,17 +131,13 @@ def threads_override() -> int | None:
     return int(value)
 
 
-def share_cpu_threads(device: torch.device | str = "cpu") -> ThreadBudget:
+def share_cpu_threads(device: torch.device | str = "cpu") -> tuple[int, int]:
     """The same CPU budget per machine in every chapter: each process gets its share of
-    the machine's usable cores (divided by the processes training on it, counted across
-    the process group, so two torchruns on one machine count as two), and torch uses that
-    many threads. On a GPU the math runs on the device and a process's CPU threads only
-    launch kernels and run the odd CPU op, while its DataLoader workers, the pin-memory
-    thread and NCCL's proxy threads need cores of their own: torch gets half the share
-    there, at most 8 (PyTorch's tuning advice: avoid oversubscribing the cores).
-    LLM_GUIDE_THREADS=N sets the threads per process instead (for a machine that other
-    jobs share; the test suite gives each of its workers' processes their share so). A
-    collective when distributed."""
+    the usable cores (divided by the processes of the group on this machine). On a GPU
+    the math runs on the device, and DataLoader workers and NCCL's threads need cores of
+    their own: half the share there, at most 8. LLM_GUIDE_THREADS=N sets it instead (a
+    machine other jobs share). Returns (threads per process, processes on this machine).
+    A collective when distributed."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     here = 1
     if dist.is_available() and dist.is_initialized():
@@ -169,20 +147,14 @@ def share_cpu_threads(device: torch.device | str = "cpu") -> ThreadBudget:
     share = max(1, (cores or 1) // here)
     if torch.device(device).type == "cuda":
         share = max(1, min(8, share // 2))
-    try:
-        threads = threads_override() or share
-    except UsageError as e:  # a script whose parser did not check it
-        fail(str(e))
+    threads = threads_override() or share
     torch.set_num_threads(threads)
-    return ThreadBudget(threads, here)
+    return threads, here
 
 
 def profiler_activities(device: torch.device) -> list:
-    """What torch.profiler records on `device`: the host's operators, and on a GPU its
-    kernels too. On a CPU the profiler's tracing library (Kineto) would print a `USDT:
-    ... profiler_start` and a `profiler_stop` line per recording, trace markers that read
-    like errors: its log is silenced there (a KINETO_LOG_LEVEL of your own is kept). On a
-    GPU it stays, since there it says when the GPU's activity cannot be recorded."""
+    """What torch.profiler records: the host's operators, and on a GPU its kernels. On a
+    CPU the profiler's Kineto log, whose trace markers read like errors, is silenced."""
     if device.type == "cuda":
         return [ProfilerActivity.CPU, ProfilerActivity.CUDA]
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # read when a recording starts

@@ -17,6 +17,7 @@ import json
 import math
 import os
 import time
+from contextlib import suppress
 from pathlib import Path
 
 import torch
@@ -33,23 +34,6 @@ from .timing import PHASES, PhaseTimer, StepStats
 
 
 # ---- metrics.jsonl: one JSON object per logged step ------------------------------------
-
-class MetricsWriter:
-    """Appends one JSON line per logged step, line-buffered: a crash loses nothing."""
-
-    def __init__(self, path, append: bool = False):
-        self.path = Path(path)
-        self.f = open(self.path, "a" if append else "w", buffering=1)
-
-    def write(self, record: dict):
-        self.f.write(json.dumps(record) + "\n")
-
-    def close(self):
-        try:  # after a failed write (a full disk) the buffer is dropped, not retried at exit
-            self.f.close()
-        except OSError:
-            pass
-
 
 def read_metrics(path) -> list[dict]:
     """The records of a metrics.jsonl; a line that is not one JSON object (torn by a kill,
@@ -84,9 +68,8 @@ class Tracker:
                  flops_per_token: float, extra: dict | None = None, rank: int = 0,
                  world_size: int = 1, num_devices: int | None = None, backend: str | None = None,
                  start_step: int = 0):
-        """`threads`: (threads per process, processes on this machine), as the chapter's
-        setup() set them; `args` on: the run's facts for summary.json; `num_devices`
-        defaults to one per process; `start_step`: a resumed run's first step."""
+        """`threads` (per process, processes here) and `args` on: the run's facts for
+        summary.json; `start_step`: a resumed run's first step."""
         self.chapter, self.run_dir, self.device, self.logger = chapter, Path(run_dir), device, log
         self.total_steps, self.tokens_per_step, self.rank = total_steps, tokens_per_step, rank
         self.facts = dict(args=args, dtype=dtype, num_params=num_params, flops_per_token=flops_per_token,
@@ -101,7 +84,7 @@ class Tracker:
         self.saves = []  # (MB, seconds) of each checkpoint saved
         self.first_step_start = self.first_step_s = None
         self.t_start = time.perf_counter()
-        self.writer = self._open_metrics(start_step) if rank == 0 else None
+        self.metrics = self._open_metrics(start_step) if rank == 0 else None
         # log lines go through tqdm.write while the bar is shown, so neither garbles the other
         self._redirect = logging_redirect_tqdm() if rank == 0 and show_progress() else None
         if self._redirect:
@@ -109,14 +92,15 @@ class Tracker:
         self.bar = tqdm(total=total_steps, initial=start_step, desc=chapter, dynamic_ncols=True,
                         disable=rank != 0 or not show_progress())
 
-    def _open_metrics(self, start_step: int) -> MetricsWriter:
+    def _open_metrics(self, start_step: int):
+        """metrics.jsonl, line-buffered (a crash loses no line)."""
         path = self.run_dir / "metrics.jsonl"
         try:
             if start_step and path.exists():  # a resumed run: drop the lines it will redo
                 kept = [r for r in read_metrics(path) if isinstance(r.get("step"), int) and r["step"] <= start_step]
                 text = "".join(json.dumps(r) + "\n" for r in kept)
                 atomic_write(path, lambda f: f.write(text.encode()))
-            return MetricsWriter(path, append=start_step > 0)
+            return open(path, "a" if start_step > 0 else "w", buffering=1)
         except OSError as e:  # a full disk, or a folder in its place: one line
             fail(f"writing {path} failed ({one_line(e)}); free some space (or move what is there "
                  f"aside) and run again", status=1)
@@ -162,7 +146,7 @@ class Tracker:
         record.update({f"{k}_s": v for k, v in window.phase_s.items()},
                       elapsed_s=time.perf_counter() - self.t_start)
         try:
-            self.writer.write(record)
+            self.metrics.write(json.dumps(record) + "\n")
         except OSError as e:  # the disk filled up mid-run: one line, not a traceback
             self.close()
             fail(f"writing {self.run_dir / 'metrics.jsonl'} failed ({one_line(e)}); free some space "
@@ -176,7 +160,7 @@ class Tracker:
         """A non-finite loss: more steps only spread NaN. Keep what the run produced
         (metrics up to here, a summary saying where), then stop with one line."""
         if self.rank == 0:
-            self.writer.write({"step": step, **values})
+            self.metrics.write(json.dumps({"step": step, **values}) + "\n")
             write_json(self.run_dir / "summary.json", {
                 "chapter": self.chapter, "diverged_at_step": step, "loss": str(values["loss"]),
                 "steps": len(self.stats.steps)})
@@ -200,9 +184,10 @@ class Tracker:
         if self._redirect:
             self._redirect.__exit__(None, None, None)
             self._redirect = None
-        if self.writer:
-            self.writer.close()
-            self.writer = None
+        if self.metrics:
+            with suppress(OSError):  # after a failed write (a full disk): dropped, not retried
+                self.metrics.close()
+            self.metrics = None
 
     def finish(self, *, final_loss: float | None, val_loss: float | None) -> dict | None:
         """Rank 0: summary.json, then the throughput table."""

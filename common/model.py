@@ -89,15 +89,13 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         # x * rsqrt(mean(x^2) + eps) * weight, normalised in fp32 (as Llama does), then
-        # cast back. F.rms_norm is that arithmetic (bit for bit on a CPU, compiled too),
-        # with torch's fused kernels on CUDA instead of six forward and more backward.
+        # cast back; F.rms_norm is that arithmetic, fused on CUDA
         if x.dtype != torch.float32:
             return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
         y = F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # the fp32 residual stream
         if torch.is_autocast_enabled(x.device.type):
-            # Under autocast every matmul that reads y casts it to bf16 first (q, k and v
-            # each, gate and up each): cast once here instead. The same values forward;
-            # fewer kernels, and bf16 rather than fp32 kept for backward.
+            # under autocast each of the five matmuls reading y would cast it to bf16:
+            # once here instead (the same values; fewer kernels, bf16 kept for backward)
             y = y.to(torch.get_autocast_dtype(x.device.type))
         return y
 
@@ -130,12 +128,10 @@ def apply_rotary(x, cos, sin):
 
 def shares_kv_heads(device_type: str, dtype: torch.dtype, masked: bool) -> bool:
     """Whether attention passes its grouped K/V heads to SDPA as they are (enable_gqa).
-    On CUDA the flash kernel takes grouped heads but no explicit mask and no fp32; the
-    memory-efficient kernel takes a mask and fp32, but not grouped heads in every torch
-    version this guide supports. With enable_gqa, a mask (the padded form) or fp32 would
-    therefore fall back to the math kernel, which holds every B x H x T x T score in
-    memory; repeating K and V per query head lets the memory-efficient kernel run. On the
-    CPU the fused kernel takes grouped heads, a mask and fp32 alike."""
+    On CUDA only the flash kernel takes grouped heads, and it takes no mask and no fp32:
+    there a mask or fp32 would fall back to the math kernel, which keeps every B x H x T
+    x T score, so K and V are repeated per query head for the memory-efficient kernel.
+    On the CPU the fused kernel takes grouped heads, masks and fp32 alike."""
     if device_type != "cuda":
         return True
     return not masked and dtype in (torch.float16, torch.bfloat16)
@@ -221,9 +217,8 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self):
-        # GPT-2 style: N(0, 0.02) everywhere, the two projections that write into the
-        # residual stream (o_proj, down_proj) scaled by 1/sqrt(2 * layers) so the
-        # residual's variance does not grow with depth.
+        # GPT-2 style: N(0, 0.02); the projections into the residual stream (o_proj,
+        # down_proj) scaled by 1/sqrt(2 * layers), so its variance does not grow with depth
         std = 0.02
         residual_std = std / math.sqrt(2 * self.config.num_hidden_layers)
         for name, p in self.named_parameters():
@@ -278,23 +273,17 @@ def num_parameters(model: nn.Module, exclude_embeddings: bool = False) -> int:
 
 
 def non_matmul_params(config: LlamaConfig) -> int:
-    """Parameters that take part in no matrix multiply: the embedding table (a row
-    lookup) and the RMSNorm gains (an elementwise scale), two per layer plus the final."""
+    """Parameters in no matrix multiply: the embedding table and the RMSNorm gains."""
     h = config.hidden_size
     return config.vocab_size * h + (2 * config.num_hidden_layers + 1) * h
 
 
 def flops_per_token(config: LlamaConfig, num_params: int, seq_len: int) -> float:
-    """Training FLOPs per token of what the model computes.
-
-    `num_params` is the model's full count (`num_parameters(model)`). Each weight that
-    multiplies an activation costs 2 FLOPs forward and 4 backward (the gradients of the
-    input and of the weight), hence 6 per matmul weight: every `nn.Linear` including the
-    untied `lm_head`, but not the embedding lookup nor the norm gains. Attention adds
-    QK^T and attention-times-V, 2·2·H·Q·T FLOPs per token and layer forward, 3x that for
-    training: 12·L·H·Q·T (L layers, H query heads, Q head dim, T sequence length). That
-    is the usual convention (PaLM, nanoGPT, torchtitan): it counts the full T×T score
-    matrix although a causal kernel may skip the masked half."""
+    """Training FLOPs per token (`num_params`: the model's full count). Each weight that
+    multiplies an activation costs 2 FLOPs forward and 4 backward: 6 per matmul weight,
+    `lm_head` included, the embedding lookup and norm gains not. Attention adds
+    12·L·H·Q·T (scores and values, forward and backward; L layers, H query heads, Q head
+    dim, T sequence), counting the full T×T scores as PaLM and nanoGPT do."""
     return 6 * (num_params - non_matmul_params(config)) + attention_flops_per_token(config, seq_len)
 
 
@@ -305,8 +294,3 @@ def attention_flops_per_token(config: LlamaConfig, seq_len: int) -> float:
 
 def describe(config: LlamaConfig) -> str:
     return ", ".join(f"{k}={v}" for k, v in config.to_dict().items())
-
-
-__all__ = ["LlamaConfig", "PRESETS", "get_config", "LlamaForCausalLM", "RMSNorm",
-           "RotaryEmbedding", "apply_rotary", "rotate_half", "num_parameters",
-           "non_matmul_params", "flops_per_token", "attention_flops_per_token", "describe"]

@@ -13,7 +13,7 @@ import common.metrics as metrics
 import common.timing as timing
 from common.environment import peak_memory_mb
 from common.files import write_json
-from common.metrics import MetricsWriter, Tracker, build_summary, read_metrics, throughput_table
+from common.metrics import Tracker, build_summary, read_metrics, throughput_table
 from common.peak_flops import Peak
 from common.tables import format_flops
 from common.timing import PHASES, PhaseTimer, StepStats, phase_seconds
@@ -170,19 +170,28 @@ def test_step_stats_leave_out_warmup():
     assert StepStats().mean_phase_times()["total"] == 0.0
 
 
-def test_metrics_writer_lines_are_on_disk_at_once(tmp_path):
-    path = tmp_path / "metrics.jsonl"
-    w = MetricsWriter(path)
-    w.write({"step": 1, "loss": 2.5})
-    # line-buffered: readable before close, so a crash loses no logged step
-    assert json.loads(path.read_text()) == {"step": 1, "loss": 2.5}
-    w.write({"step": 2, "loss": 2.0})
-    w.close()
-    w = MetricsWriter(path, append=True)   # a resumed run continues the file
-    w.write({"step": 3, "loss": 1.5})
-    w.close()
-    assert [r["step"] for r in read_metrics(path)] == [1, 2, 3]
+def test_metrics_lines_are_on_disk_at_once_and_a_resume_continues_them(tmp_path):
+    """Line-buffered: a logged step is readable before the file is closed (a crash loses
+    none); a resumed run keeps the lines up to its start and drops those it will redo."""
+    import logging
 
+    def tracker(start_step=0):
+        args = argparse.Namespace(experiment_name="run", model_preset="tiny", seq_length=8, batch_size=2)
+        return Tracker("01-single-gpu", tmp_path, "cpu", 9, 16, logging.getLogger("test"), threads=(1, 1),
+                       args=args, dtype="fp32", num_params=1, flops_per_token=1.0, start_step=start_step)
+    t = tracker()
+    for step in (1, 2, 3):
+        t.start_step()
+        t.end_step()
+        t.log(step, loss=2.5, lr=1e-3)
+        assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])["step"] == step
+    t.close()
+    t = tracker(start_step=2)   # resumed after step 2: step 3 is redone
+    t.start_step()
+    t.end_step()
+    t.log(3, loss=1.5, lr=1e-3)
+    t.close()
+    assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == [(1, 2.5), (2, 2.5), (3, 1.5)]
 
 
 def test_a_line_that_is_not_utf8_or_too_deep_is_skipped(tmp_path):

@@ -191,13 +191,14 @@ def test_llm_guide_threads_sets_the_threads_per_process(monkeypatch, value, expe
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "1.5", "two"])
-def test_a_bad_llm_guide_threads_is_one_line_and_exit_2(monkeypatch, capsys, value):
-    import common.environment as environment
+def test_a_bad_llm_guide_threads_is_one_line_and_exit_2(monkeypatch, capsys, tmp_path, value):
+    """Checked with the flags, before any work (a chapter's parser)."""
+    from common.cli import base_parser
 
     monkeypatch.setenv("LLM_GUIDE_THREADS", value)
     before = torch.get_num_threads()
     with pytest.raises(SystemExit) as stop:
-        environment.share_cpu_threads("cpu")
+        base_parser("01-single-gpu", "test").parse_args(["--save-dir", str(tmp_path)])
     assert stop.value.code == 2 and torch.get_num_threads() == before
     assert capsys.readouterr().err.strip().splitlines() == [
         f"error: LLM_GUIDE_THREADS={value!r}: must be a whole number >= 1 (CPU threads per process)"]

@@ -28,6 +28,7 @@ from . import report
 from .chapters import BY_FOLDER, CHAPTERS
 from common.cli import DEFAULT_SAVE_DIR, REPO_ROOT, Parser, check_writable_folder, one_of, unused_name
 from common.errors import UsageError
+from common.files import write_json
 from common.model import PRESETS
 from common.runfolder import claim_run_folder, holds_results
 
@@ -462,6 +463,11 @@ def main(argv=None) -> int:
         else:
             print(f"\n=== {tag}: done in {took} ===", flush=True)
     print_summary(args, done, started)
+    # what `python -m tools.results --record` keeps of a tour: how it was run, and when
+    write_json(args.out_dir / "tour.json", {
+        "command": shlex.join(["python", "-m", "tools.tour", *(sys.argv[1:] if argv is None else argv)]),
+        "date": time.strftime("%Y-%m-%d"), "seconds": round(time.perf_counter() - started),
+        "chapters": args.chapter_list, "gpus": args.gpus, "sizes": vars(args.sizes)})
     return 0
 
 

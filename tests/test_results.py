@@ -1,0 +1,53 @@
+"""docs/results.md is what `python -m tools.results` writes from the records kept in
+docs/results/ (never a hand edit), and a tour's folder or a GPU run's results become a
+record with their provenance."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import REPO
+from test_report import fake_run
+from tools import results
+
+
+def test_the_results_document_is_what_the_records_give():
+    """Edited by hand, or a record added without running the command: stale."""
+    assert (REPO / "docs" / "results.md").read_text() == results.document(results.load_records()), \
+        "docs/results.md is stale: run `python -m tools.results`"
+
+
+def test_a_tour_becomes_a_record_with_its_provenance_and_tables(tmp_path, monkeypatch):
+    tour = tmp_path / "tour"
+    phases = {"data": 0.01, "forward": 0.1, "backward": 0.2, "update": 0.05}
+    for chapter, world in (("01-single-gpu", 1), ("03-ddp", 2)):
+        fake_run(tour / chapter, chapter, world=world, tokens=1024 * world, phases=phases,
+                 final_loss=2.5, losses=[3.0, 2.5])
+    (tour / "05-bench").mkdir()
+    (tour / "05-bench" / "tables.md").write_text("| size | all_reduce |\n")
+    (tour / "tour.json").write_text(json.dumps({"command": "python -m tools.tour --chapters 01,03",
+                                                "date": "2026-01-02", "seconds": 61}))
+    monkeypatch.setattr(results, "RECORDS", tmp_path / "records")
+    path = results.record(tour)
+    assert path == tmp_path / "records" / "tour-2026-01-02.json"
+    text = results.document(results.load_records(tmp_path / "records"))
+    assert "command: `python -m tools.tour --chapters 01,03` (61 s in all)" in text
+    assert "torch " in text and "Python " in text and "commit" in text
+    rows = [line for line in text.splitlines() if line.startswith("| 0")]
+    assert [r.split("|")[1].strip() for r in rows] == ["01-single-gpu", "03-ddp"]
+    assert "#### 05-bench" in text and "| size | all_reduce |" in text
+
+
+def test_a_folder_with_no_measurement_is_one_line(tmp_path, capsys):
+    assert results.main(["--record", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds no finished tour" in err, err
+
+
+@pytest.mark.parametrize("content", ["[1, 2]", "not json"])
+def test_a_broken_record_is_named(tmp_path, monkeypatch, content):
+    (tmp_path / "x.json").write_text(content)
+    with pytest.raises(results.UsageError, match="not a record: x.json"):
+        results.load_records(tmp_path)

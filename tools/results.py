@@ -1,0 +1,158 @@
+"""The results document, docs/results.md: every figure the READMEs quote, with where and
+how it was measured, written from the records the repository keeps (docs/results/*.json),
+never typed by hand.
+
+    python -m tools.tour --out outputs/tour                  # measure: the tour...
+    python -m tools.results --record outputs/tour            # keep its figures in docs/results/
+    python -m tools.results --record gpu-results             # ...or a GPU run's (python -m tools.gpu_check)
+    python -m tools.results                                  # docs/results.md, again, from docs/results/
+
+A record holds its provenance (machine, torch, Python, the command, the commit, the
+date) beside the figures. tests/test_results.py fails when docs/results.md is not what
+this command writes from the records.
+"""
+
+from __future__ import annotations
+
+import platform
+import sys
+from pathlib import Path
+
+from common.cli import REPO_ROOT, Parser
+from common.errors import UsageError
+from common.files import atomic_write, read_json, write_json
+from common.tables import markdown_table
+
+from .gpu_check import commit
+from .report import busy, find_summaries, load_runs
+
+RECORDS = REPO_ROOT / "docs" / "results"
+DOCUMENT = REPO_ROOT / "docs" / "results.md"
+
+
+# ---- recording a measurement ---------------------------------------------------------------
+
+def tour_record(folder: Path) -> dict:
+    """The figures of a tour's folder (its runs' summary.json, the tables its scripts left,
+    tour.json) and their provenance."""
+    tour = read_json(folder / "tour.json")
+    runs = load_runs(find_summaries([folder]))
+    if not isinstance(tour, dict) or not runs:
+        raise UsageError(f"{folder} holds no finished tour (tour.json and the runs' summary.json)")
+    first = runs[0].summary
+    return {"kind": "tour", "title": f"The tour on {first['device_name']}", "command": tour["command"],
+            "date": tour["date"], "seconds": tour["seconds"], "machine": first["device_name"],
+            "torch": first["torch_version"], "python": platform.python_version(), "commit": commit(),
+            "runs": [{"run": r.name, "processes": r.summary["world_size"],
+                      "tokens_per_s": r.summary["tokens_per_s"],
+                      "tokens_per_s_per_device": r.summary["tokens_per_s_per_device"],
+                      "step_ms": 1e3 * r.summary["step_wall_s"], "mfu": r.summary.get("mfu"),
+                      "final_loss": r.summary.get("final_loss"), "val_loss": r.summary.get("val_loss"),
+                      "busy": busy(r.summary)} for r in runs],
+            "tables": {p.parent.name: p.read_text().strip() for p in sorted(folder.glob("*/tables.md"))}}
+
+
+def gpu_record(folder: Path) -> dict:
+    """What `python -m tools.gpu_check --out folder` measured: results.json, whole."""
+    results = read_json(folder / "results.json")
+    if not isinstance(results, dict) or "environment" not in results:
+        raise UsageError(f"{folder} holds no results.json of python -m tools.gpu_check")
+    env = results["environment"]
+    return {"kind": "gpu", "title": f"The GPU suite and benchmark on {', '.join(env.get('cuda_devices') or ['?'])}",
+            "command": "python -m tools.gpu_check --out " + folder.name, "date": env["date_utc"][:10],
+            "machine": ", ".join(env.get("cuda_devices") or []), "torch": env["torch"],
+            "python": env["python"], "commit": env.get("commit"), "results": results}
+
+
+def record(folder: Path) -> Path:
+    """Keep a measurement's figures in docs/results/<kind>-<date>.json; returns the file."""
+    made = gpu_record(folder) if (folder / "results.json").is_file() else tour_record(folder)
+    path = RECORDS / f"{made['kind']}-{made['date']}.json"
+    RECORDS.mkdir(parents=True, exist_ok=True)
+    write_json(path, made)
+    return path
+
+
+# ---- the document ----------------------------------------------------------------------------
+
+def _num(v, digits=0, scale=1.0, suffix="") -> str:
+    return "n/a" if not isinstance(v, (int, float)) else f"{v * scale:,.{digits}f}{suffix}"
+
+
+def provenance(r: dict) -> str:
+    lines = [f"- measured on {r['machine']}, torch {r['torch']}, Python {r['python']}, on {r['date']}",
+             f"- command: `{r['command']}`" + (f" ({r['seconds']} s in all)" if r.get("seconds") else ""),
+             f"- code: commit `{r['commit']}`" if r.get("commit") else "- code: commit unknown"]
+    if r.get("source"):
+        lines.append(f"- source: {r['source']}")
+    return "\n".join(lines)
+
+
+def tour_section(r: dict) -> str:
+    rows = [[x["run"], str(x["processes"]), _num(x["tokens_per_s"]), _num(x["tokens_per_s_per_device"]),
+             _num(x["step_ms"], 1), _num(x["mfu"], 1, 100, "%"), _num(x["final_loss"], 4),
+             _num(x["val_loss"], 4), "busy machine" if x["busy"] else ""] for x in r["runs"]]
+    header = ["run", "processes", "tokens/s", "per device", "step ms", "MFU", "final loss", "val loss", "note"]
+    parts = [markdown_table(header, rows, right=set(range(1, 8)))]
+    parts += [f"#### {name}\n\n{table}" for name, table in r["tables"].items()]
+    return "\n\n".join(parts)
+
+
+def gpu_section(r: dict) -> str:
+    res, parts = r["results"], []
+    targets = [[t["target"], f"{t['at_least']:g}", _num(t["value"], 3),
+                {True: "met", False: "NOT met"}.get(t["met"], "-")] for t in res.get("targets", [])]
+    if targets:
+        parts.append(markdown_table(["target", "at least", "measured", ""], targets, right={1, 2}))
+    tests = {k: v for k, v in (res.get("gpu_tests") or {}).items() if isinstance(v, dict)}
+    if tests:
+        rows = [[name, _num(t.get("tokens_per_s")), _num(t.get("mfu"), 1, 100, "%"),
+                 _num(t.get("peak_memory_mb"), 0, 1, " MB"), t.get("checked", "")] for name, t in tests.items()]
+        parts.append(markdown_table(["GPU test", "tokens/s", "MFU", "peak memory", "what it checked"], rows,
+                                    right={1, 2, 3}))
+    bench = (res.get("bench_model") or {}).get("rows") or []
+    if bench:
+        rows = [[b["preset"], b["mode"], b["step"], _num(b["tokens_per_s"]), _num(b["mfu"], 1, 100, "%")]
+                for b in bench]
+        parts.append(markdown_table(["preset", "mode", "step", "tokens/s", "MFU"], rows, right={3, 4}))
+    return "\n\n".join(parts)
+
+
+def document(records: list[dict]) -> str:
+    parts = ["# Measured results",
+             "Written by `python -m tools.results` from the records in [results/](results/); do not edit "
+             "by hand. Each section says where, when and with which command its figures were measured. "
+             "Speeds on a CPU depend on the machine and on what else runs on it: a run on a busy "
+             "machine says so."]
+    for r in records:
+        body = tour_section(r) if r["kind"] == "tour" else gpu_section(r)
+        parts.append(f"## {r['title']}, {r['date']}\n\n{provenance(r)}\n\n{body}")
+    return "\n\n".join(parts) + "\n"
+
+
+def load_records(folder: Path = RECORDS) -> list[dict]:
+    records = [read_json(p) for p in sorted(folder.glob("*.json"))]
+    bad = [p.name for p, r in zip(sorted(folder.glob("*.json")), records) if not isinstance(r, dict)]
+    if bad:
+        raise UsageError(f"not a record: {', '.join(bad)} in {folder}")
+    return sorted(records, key=lambda r: (r["kind"], r["date"]))
+
+
+def main(argv=None) -> int:
+    p = Parser(prog="python -m tools.results", description=__doc__.split("\n\n")[0])
+    p.add_argument("--record", type=Path, help="a tour's folder or a GPU run's --out folder to keep first")
+    args = p.parse_args(argv)
+    try:
+        if args.record:
+            print(f"recorded {record(args.record)}")
+        text = document(load_records())
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    atomic_write(DOCUMENT, lambda f: f.write(text.encode()))
+    print(f"wrote {DOCUMENT.relative_to(REPO_ROOT)} from {len(list(RECORDS.glob('*.json')))} record(s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
