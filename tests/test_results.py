@@ -14,9 +14,14 @@ from tools import results
 
 
 def test_the_results_document_is_what_the_records_give():
-    """Edited by hand, or a record added without running the command: stale."""
-    assert (REPO / "docs" / "results.md").read_text() == results.document(results.load_records()), \
+    """Edited by hand, or a record added without running the command: stale. The top
+    README's results block too."""
+    records = results.load_records()
+    assert (REPO / "docs" / "results.md").read_text() == results.document(records), \
         "docs/results.md is stale: run `python -m tools.results`"
+    readme = (REPO / "README.md").read_text()
+    assert results.with_readme_block(readme, results.readme_block(records)) == readme, \
+        "README.md's results are stale: run `python -m tools.results`"
 
 
 def test_a_tour_becomes_a_record_with_its_provenance_and_tables(tmp_path, monkeypatch):

@@ -28,6 +28,8 @@ from .report import busy, find_summaries, load_runs
 
 RECORDS = REPO_ROOT / "docs" / "results"
 DOCUMENT = REPO_ROOT / "docs" / "results.md"
+README = REPO_ROOT / "README.md"
+BEGIN, END = "<!-- results: written by python -m tools.results -->", "<!-- end of results -->"
 
 
 # ---- recording a measurement ---------------------------------------------------------------
@@ -130,6 +132,35 @@ def document(records: list[dict]) -> str:
     return "\n\n".join(parts) + "\n"
 
 
+def readme_block(records: list[dict]) -> str:
+    """The README's small results table: the newest tour's chapters, and the newest GPU
+    run's targets, each linking to its section of docs/results.md."""
+    parts = [BEGIN]
+    tours = [r for r in records if r["kind"] == "tour"]
+    if tours:
+        t = tours[-1]
+        rows = [[x["run"], str(x["processes"]), _num(x["tokens_per_s"]), _num(x["final_loss"], 4)]
+                for x in t["runs"] if x["run"][:2] != "05"]
+        parts.append(f"The tour on {t['machine']}, torch {t['torch']}, {t['date']} (`{t['command']}`):\n\n"
+                     + markdown_table(["run", "processes", "tokens/s", "final loss"], rows, right={1, 2, 3}))
+    gpus = [r for r in records if r["kind"] == "gpu"]
+    if gpus:
+        g = gpus[-1]
+        met = "; ".join(f"{t['target']}: {_num(t['value'], 3)} (at least {t['at_least']:g})"
+                        for t in g["results"].get("targets", []))
+        parts.append(f"On {g['machine'].split(' (')[0]}, torch {g['torch']}, {g['date']}: {met}.")
+    parts.append("Every figure, with where, when and how it was measured: [docs/results.md](docs/results.md).")
+    return "\n\n".join(parts + [END])
+
+
+def with_readme_block(text: str, block: str) -> str:
+    """`text` (the README) with its results block replaced by `block`."""
+    if BEGIN not in text or END not in text:
+        raise UsageError(f"README.md has no results block ({BEGIN} ... {END})")
+    head, rest = text.split(BEGIN, 1)
+    return head + block + rest.split(END, 1)[1]
+
+
 def load_records(folder: Path = RECORDS) -> list[dict]:
     records = [read_json(p) for p in sorted(folder.glob("*.json"))]
     bad = [p.name for p, r in zip(sorted(folder.glob("*.json")), records) if not isinstance(r, dict)]
@@ -146,11 +177,14 @@ def main(argv=None) -> int:
         if args.record:
             print(f"recorded {record(args.record)}")
         text = document(load_records())
+        readme = with_readme_block(README.read_text(), readme_block(load_records()))
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     atomic_write(DOCUMENT, lambda f: f.write(text.encode()))
-    print(f"wrote {DOCUMENT.relative_to(REPO_ROOT)} from {len(list(RECORDS.glob('*.json')))} record(s)")
+    atomic_write(README, lambda f: f.write(readme.encode()))
+    print(f"wrote {DOCUMENT.relative_to(REPO_ROOT)} and README.md's results from "
+          f"{len(list(RECORDS.glob('*.json')))} record(s)")
     return 0
 
 
