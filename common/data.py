@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from .distributed import patient_group, stop_on_any_error
+from .errors import UsageError
 from .files import atomic_write, fsync_dir, fsync_write, one_line
 
 PAD, BOT, EOT = "[PAD]", "[BOT]", "[EOT]"
@@ -39,8 +40,8 @@ TOKEN_FORMAT = 1  # bump when the token files' layout changes: old caches are th
 log = logging.getLogger(__name__)  # INFO reaches rank 0's log only (cli.setup_logging)
 
 
-class DataError(Exception):
-    """A data problem the user can fix; its message is one line."""
+class DataError(UsageError):
+    """A data problem the user can fix: one line, exit status 2."""
 
 
 def import_datasets():
@@ -288,7 +289,7 @@ def tokenize_corpus(corpus: Corpus, tok, scratch: Path | None = None):
 
     def encode(batch):
         return {"ids": [e.ids for e in tok.encode_batch(batch["text"], add_special_tokens=False)]}
-    import_datasets()
+    import_datasets()  # the map's bar only where someone watches
     return ds.map(encode, batched=True, batch_size=256, remove_columns=ds.column_names,
                   desc=f"tokenizing {corpus.name}",
                   cache_file_name=str(Path(scratch) / "ids.arrow") if ds.cache_files and scratch else None)

@@ -27,7 +27,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from .data import show_progress
 from .environment import device_name, launcher, peak_memory_mb
 from .errors import fail
-from .files import atomic_write, folder_mb, one_line, read_json, write_json
+from .files import atomic_write, folder_mb, one_line, write_json
 from .peak_flops import device_peak
 from .tables import format_flops, markdown_table
 from .timing import PHASES, PhaseTimer, StepStats
@@ -280,76 +280,10 @@ def build_summary(*, chapter: str, args, world_size: int, device, dtype: str, nu
     if busy(load_max, s["cpu_cores"]):
         notes.append(f"the machine was busy (load average up to {load_max:.1f} on {s['cpu_cores']} "
                      f"cores): other programs took CPU time from this run")
-    if world_size > 1 and hasattr(args, "baseline"):
-        notes += scaling(s, find_baseline(args.baseline or args.save_dir, s))
     if notes:
         s["notes"] = [*s.get("notes", []), *notes]
     return s
 
-
-def scaling(s: dict, baseline: dict | None) -> list[str]:
-    """Set the scaling efficiency (tokens/s per process over chapter 01's with the same
-    per-process batch; 1.0 = linear) unless either run shared a busy machine: load slows a
-    one-process run and a multi-process run unequally, so their ratio would measure the
-    load. Returns the notes to add."""
-    if not baseline:
-        return []
-    name = f"{baseline['chapter']} run {baseline['experiment_name']!r}"
-    if any(busy(r.get("load_avg_max"), r.get("cpu_cores") or 1) for r in (s, baseline)):
-        return [f"no scaling efficiency against {name}: one of the two ran on a busy machine"]
-    s["scaling_efficiency"] = s["tokens_per_s_per_device"] / baseline["tokens_per_s"]
-    s["baseline"] = name
-    threads = [r.get("threads_per_process", 0) * r.get("processes_per_machine", 0) for r in (s, baseline)]
-    if all(threads) and threads[0] != threads[1]:
-        return [f"CPU threads per machine differ from the baseline's ({threads[0]} vs {threads[1]}): "
-                f"not like for like"]
-    return []
-
-
-def baseline_problem(s) -> str | None:
-    """Why a parsed summary.json cannot be a baseline, or None."""
-    if not isinstance(s, dict):
-        return "not a JSON object"
-    tps = s.get("tokens_per_s")
-    if not (isinstance(tps, (int, float)) and math.isfinite(tps) and tps > 0):
-        return "no tokens_per_s above 0 in it"
-    missing = [k for k in ("chapter", "experiment_name") if k not in s]
-    if missing:
-        return f"no {' or '.join(missing)} in it"
-    if not isinstance(s.get("data") or {}, dict):
-        return "its data field is not an object"
-    if not all(isinstance(s.get(k, 0), (int, float)) for k in ("threads_per_process", "processes_per_machine",
-                                                             "cpu_cores")):
-        return "its thread counts are not numbers"
-    return None
-
-
-SAME = ("preset", "seq_length", "batch_size", "device", "dtype", "grad_accum")
-SAME_SWITCHES = ("compiled", "activation_checkpointing", "deterministic")
-
-
-def find_baseline(path, summary: dict) -> dict | None:
-    """A chapter 01 summary to compare a multi-process run against: the file itself if
-    `path` is one, else the newest chapter 01 run under `path` with the same preset,
-    sequence, per-process batch, accumulation, data form, device, dtype and switches."""
-    path = Path(path)
-    if path.is_file():
-        s = read_json(path)
-        return None if baseline_problem(s) else s
-    best, best_mtime = None, -1.0
-    for f in path.glob("*/summary.json") if path.is_dir() else []:
-        s = read_json(f) if f.is_file() else None
-        if baseline_problem(s) or s.get("chapter") != "01-single-gpu":
-            continue
-        same = (all(s.get(k) == summary.get(k) for k in SAME)
-                and (s.get("data") or {}).get("form") == (summary.get("data") or {}).get("form")
-                and all(bool(s.get(k)) == bool(summary.get(k)) for k in SAME_SWITCHES))
-        if same and f.stat().st_mtime > best_mtime:
-            best, best_mtime = s, f.stat().st_mtime
-    return best
-
-
-# ---- the table printed at the end ------------------------------------------------------------
 
 def _fmt(v, digits=1):
     if v is None:
@@ -398,8 +332,6 @@ def throughput_rows(s: dict) -> list[tuple[str, str]]:
         rows.append(("activation checkpointing", "yes: each layer's forward runs again in backward"))
     if s.get("deterministic"):
         rows.append(("deterministic kernels", "yes: the same bits in every rerun"))
-    if s.get("scaling_efficiency") is not None and s["world_size"] > 1:  # one process scales nothing
-        rows.append(("scaling efficiency", f"{100 * s['scaling_efficiency']:.1f}% vs {s['baseline']}"))
     if s.get("checkpoint"):
         ck = s["checkpoint"]
         rows += [("checkpoint size", f"{ck['size_mb']:,.1f} MB"),

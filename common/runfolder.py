@@ -159,10 +159,11 @@ def save_weights(path: Path, model: torch.nn.Module, *, writer: bool = True) -> 
     path = Path(path)
 
     def explain(e) -> str | None:
-        if isinstance(e, RuntimeError) and not is_disk_full(e, path.parent):
+        full = is_disk_full(e, path.parent)
+        if isinstance(e, RuntimeError) and not full:
             return None  # not a failed write: its own traceback
         free = shutil.disk_usage(path.parent).free / 2**20
-        return (f"saving {path} failed ({one_line(e)}; {free:,.1f} MB free): it was not written; "
-                f"free some space and run again")
+        return (f"{'disk full while saving' if full else 'saving'} {path} ({one_line(e)}; {free:,.1f} MB free): "
+                f"it was not written; free some space and run again")
     on_rank0(lambda: atomic_write(path, lambda f: torch.save(model.state_dict(), f)), 0 if writer else 1,
              explain, status=1)

@@ -13,7 +13,7 @@ import torch
 
 from common.model import LlamaForCausalLM, get_config, num_parameters
 from common.training import build_optimizer
-from conftest import load_script, python_cmd, read_json, refused, run, run_folder_held
+from conftest import load_script, python_cmd, read_json, refused, run, run_folder_held, torchrun_cmd
 
 SCRIPT = "01-single-gpu/memory_anatomy.py"
 
@@ -115,13 +115,14 @@ def test_a_second_job_with_the_same_name_is_refused_not_overwriting(tmp_path):
         assert not (tmp_path / "same" / "memory_anatomy.json").exists()
 
 
-def test_under_torchrun_it_says_to_launch_it_with_python(tmp_path, capsys, monkeypatch):
-    """One process measures one step: under torchrun (WORLD_SIZE 2) the first check says
-    so, before the run folder that every rank would claim (which used to be the error:
-    the folder 'is in use' by the other rank)."""
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    line = refused(capsys, anatomy_script().parse_args, [*SMALL, "--save-dir", tmp_path / "x"])
-    assert line.startswith("error: 01-single-gpu trains in one process; launch it with `python 01-single-gpu/")
+def test_under_torchrun_it_says_to_launch_it_with_python(tmp_path):
+    """One process measures one step: under torchrun the first check says so, naming this
+    script (the line named train_llm.py), before the run folder that every rank would
+    claim (which used to be the error: the folder 'is in use' by the other rank)."""
+    proc = run(torchrun_cmd(2, SCRIPT, *SMALL, "--save-dir", tmp_path / "x"), check=False)
+    assert proc.returncode != 0, proc.stderr[-3000:]  # torchrun's own status (1) after rank 0's 2
+    assert ("error: 01-single-gpu trains in one process; launch it with `python 01-single-gpu/memory_anatomy.py` "
+            "(several processes are chapter 03)") in proc.stderr.splitlines(), proc.stderr[-3000:]
     assert not (tmp_path / "x").exists()
 
 

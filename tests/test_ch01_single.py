@@ -203,6 +203,7 @@ def test_two_processes_are_refused(tmp_path, monkeypatch, capsys):
     """Under torchrun with 2 processes (WORLD_SIZE=2) the parser refuses; that a torchrun
     worker's one line reaches the user is test_cli's end-to-end torchrun refusal."""
     monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(sys, "argv", [str(REPO / SCRIPT)])  # the line names the script that runs
     save_dir = tmp_path / "out"
     line = refused(capsys, load_script(SCRIPT).parse_args, train_args(save_dir, "two", 3))
     assert "error: 01-single-gpu trains in one process; launch it with `python 01-single-gpu/train_llm.py`" in line

@@ -1,7 +1,7 @@
 """Chapter 03, the proof: DDP with W processes of batch B trains exactly what chapter 01
 trains with batch W*B (same losses, same weights), with or without gradient
 accumulation, on one "node" or two; plain python is world size 1; only rank 0 writes
-and prints; scaling efficiency comes from a matching chapter 01 run."""
+and prints."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, SMALL_CORPUS_FLAGS, TINY, free_port, load_script, python_cmd, read_json, \
-    read_jsonl, refused, run, shuffled_epochs, small_corpus, torchrun_cmd, training_order
+from conftest import REPO, SMALL_CORPUS_FLAGS, TINY, free_port, python_cmd, read_json, \
+    read_jsonl, run, shuffled_epochs, small_corpus, torchrun_cmd, training_order
 
 SCRIPT = "03-ddp/train_llm.py"
 CH01 = "01-single-gpu/train_llm.py"
@@ -70,27 +70,17 @@ def ch01_b16(save_dir):
 
 
 @pytest.fixture(scope="module")
-def ch01_b8(save_dir):
-    """A short chapter 01 run with batch 8: the per-process batch of `ddp`."""
-    run(python_cmd(CH01, *train_args(save_dir, "ch01-b8", 8, steps=3)))
-    return save_dir / "ch01-b8"
-
-
-@pytest.fixture(scope="module")
-def ddp(save_dir, ch01_b8, ch01_b16):
-    """2 processes x batch 8, torchrun --standalone. --save-dir already holds chapter 01
-    runs with batch 8 and (newer) 16: the summary's scaling efficiency must pick the
-    one with the same per-process batch. (Through the suite's warm launcher: the README's
-    command runs under torchrun itself in test_tour.py::test_short_real_tour.)"""
+def ddp(save_dir):
+    """2 processes x batch 8, torchrun --standalone. (Through the suite's warm launcher:
+    the README's command runs under torchrun itself in test_tour.py::test_short_real_tour.)"""
     proc = run(torchrun_cmd(2, SCRIPT, *train_args(save_dir, "ddp-2x8", 8)))
     return proc, save_dir / "ddp-2x8"
 
 
 @pytest.fixture(scope="module")
-def accum(save_dir, ch01_b16):
-    """Plain python (world size 1), batch 8 x grad-accum 2, explicit --baseline."""
-    proc = run(python_cmd(SCRIPT, *train_args(save_dir, "accum-1x8x2", 8, "--grad-accum", 2,
-                                               "--baseline", ch01_b16 / "summary.json")))
+def accum(save_dir):
+    """Plain python (world size 1), batch 8 x grad-accum 2."""
+    proc = run(python_cmd(SCRIPT, *train_args(save_dir, "accum-1x8x2", 8, "--grad-accum", 2)))
     return proc, save_dir / "accum-1x8x2"
 
 
@@ -177,54 +167,6 @@ def test_only_rank_0_writes_and_prints(ddp):
     assert sorted(p.name for p in run_dir.iterdir()) == [".owner", "metrics.jsonl", "model.pt", "summary.json"]
     steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")]
     assert steps == list(range(1, STEPS + 1))  # one writer: every step once
-
-
-def test_scaling_efficiency_from_a_matching_chapter_01_run_in_save_dir(ddp, ch01_b8):
-    summary = read_json(ddp[1] / "summary.json")
-    baseline = read_json(ch01_b8 / "summary.json")
-    assert summary["baseline"] == "01-single-gpu run 'ch01-b8'"  # not the newer ch01-b16
-    assert summary["scaling_efficiency"] == pytest.approx(
-        summary["tokens_per_s_per_device"] / baseline["tokens_per_s"])
-    assert "scaling efficiency" in ddp[0].stdout
-
-
-def test_one_process_claims_no_scaling_efficiency_even_with_a_baseline(accum):
-    """One process scales nothing: with --baseline given, still no efficiency figure."""
-    summary = read_json(accum[1] / "summary.json")
-    assert summary["world_size"] == 1
-    assert "scaling_efficiency" not in summary and "baseline" not in summary
-    assert "scaling efficiency" not in accum[0].stdout
-
-
-def test_missing_baseline_file_is_refused(tmp_path, monkeypatch, capsys):
-    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}.items():
-        monkeypatch.setenv(k, v)
-    missing = tmp_path / "nope.json"
-    line = refused(capsys, load_script(SCRIPT).parse_args,
-                   train_args(tmp_path / "out", "x", 8, "--baseline", missing))
-    assert line == f"error: argument --baseline: '{missing}' does not exist or is not a file (see --help)"
-    assert not (tmp_path / "out").exists()
-
-
-@pytest.mark.parametrize("content, why", [
-    ('{"world_size": 2, "settings": {}}', "no tokens_per_s above 0 in it"),  # ddp_knobs.json, say
-    ('[1, 2]', "not a JSON object"),
-    ('{"step": 1, "loss": 9.0}\n{"step": 2, "loss": 8.9}\n', "not readable as JSON (JSONDecodeError)"),
-    ('{"chapter": "01-single-gpu", "diverged_at_step": 3, "loss": "nan", "steps": 3, "tokens_per_s": 0.0}',
-     "no tokens_per_s above 0 in it"),
-])
-def test_a_baseline_that_is_no_summary_is_refused_before_any_work(tmp_path, monkeypatch, capsys, content, why):
-    """--baseline is divided by when the run ends: a file that cannot be (another JSON, a
-    metrics.jsonl, a diverged run's summary) is refused at once, not after the training
-    with a traceback and no summary.json."""
-    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}.items():
-        monkeypatch.setenv(k, v)
-    wrong = tmp_path / "wrong.json"
-    wrong.write_text(content)
-    line = refused(capsys, load_script(SCRIPT).parse_args,
-                   train_args(tmp_path / "out", "x", 8, "--baseline", wrong))
-    assert line == f"error: argument --baseline: '{wrong}' is not a run's summary.json: {why} (see --help)"
-    assert not (tmp_path / "out").exists()
 
 
 def test_slurm_script_is_valid_bash_and_launches_what_the_readme_says(tmp_path):

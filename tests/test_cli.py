@@ -91,8 +91,8 @@ def test_the_help_gives_the_default_name_under_torchrun():
     (["--experiment-name", "../escape"], "--experiment-name '../escape' must use only"),
     (["--experiment-name", "a b"], "must use only letters"),
     (["--experiment-name", "a" * 300], "--experiment-name is 300 characters long; 200 at most"),
-    (["--vocab-size", "100"], "--vocab-size 100 is below"),
-    (["--vocab-size", "2000000000"], "--vocab-size 2000000000 is above"),
+    (["--vocab-size", "259"], "argument --vocab-size: must be a whole number from 260 to 1048576 (got '259')"),
+    (["--vocab-size", "2000000000"], "argument --vocab-size: must be a whole number from 260 to 1048576"),
     (["--dtype", "fp16"], "argument --dtype: unknown 'fp16'; choose one of: auto, fp32, bf16"),
     (["--device", "tpu"], "--device 'tpu'"),
     (["--device", "mps"], "--device 'mps' is not supported"),
@@ -216,7 +216,7 @@ def test_a_run_folder_that_is_a_file_or_a_save_dir_that_takes_no_file(tmp_path, 
 
 def test_save_dir_that_is_a_file(tmp_path, capsys):
     (tmp_path / "file").write_text("x")
-    assert "is not a folder" in refusal(capsys, tmp_path / "file")
+    assert refusal(capsys, tmp_path / "file").endswith(f"--save-dir '{tmp_path / 'file'}': it is a file, not a folder")
 
 
 def test_check_args_raises_usage_error(tmp_path):

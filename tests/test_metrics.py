@@ -300,19 +300,15 @@ def test_mfu_over_100_percent_asks_to_remeasure_the_peak():
 def tracked_run(save_dir, monkeypatch, world_size: int, padded: bool = True,
                 load: float = 0.5) -> tuple[dict, list[dict], int]:
     """Six steps of 16 tokens, 12 of them real if `padded`, through the Tracker, logged at
-    steps 3 and 6; a matching chapter 01 summary sits in --save-dir. Returns the summary,
+    steps 3 and 6. Returns the summary,
     the metrics records and how often a count was read back from a tensor."""
     import logging
 
     monkeypatch.setattr(metrics, "device_peak", lambda device, dtype: Peak(1e9, "fp32", "measured"))
     monkeypatch.setattr(metrics, "load_average", lambda: load)  # an idle machine, unless said
-    (save_dir / "base").mkdir(parents=True)
-    write_json(save_dir / "base" / "summary.json",
-               {"chapter": "01-single-gpu", "experiment_name": "base", "preset": "tiny",
-                "seq_length": 8, "batch_size": 2, "device": "cpu", "dtype": "fp32", "tokens_per_s": 1e9})
     args = argparse.Namespace(experiment_name="run", model_preset="tiny", seq_length=8,
-                              batch_size=2, padded=padded, baseline=None, save_dir=str(save_dir))
-    (save_dir / "run").mkdir()
+                              batch_size=2, padded=padded, save_dir=str(save_dir))
+    (save_dir / "run").mkdir(parents=True)
     reads = []
     real_float = torch.Tensor.__float__
     monkeypatch.setattr(torch.Tensor, "__float__", lambda t: reads.append(1) or real_float(t))
@@ -344,53 +340,6 @@ def test_padded_real_tokens_are_counted_on_the_device_and_shown(tmp_path, monkey
     assert [r["real_tokens_per_s"] / r["tokens_per_s"] for r in records] == pytest.approx([0.75, 0.75])
     row = next(l for l in capsys.readouterr().out.splitlines() if "tokens/s real" in l)
     assert f"{s['real_tokens_per_s']:,.1f}" in row
-
-
-def test_scaling_efficiency_only_with_more_than_one_process(tmp_path, monkeypatch, capsys):
-    """A one-process chapter 03 run is no scaling: no efficiency against chapter 01; two
-    processes get one."""
-    one, _, _ = tracked_run(tmp_path / "one", monkeypatch, world_size=1, padded=False)
-    assert "scaling_efficiency" not in one
-    assert "scaling efficiency" not in capsys.readouterr().out
-    two, _, _ = tracked_run(tmp_path / "two", monkeypatch, world_size=2, padded=False)
-    assert two["scaling_efficiency"] == pytest.approx(two["tokens_per_s_per_device"] / 1e9)
-    assert "| scaling efficiency " in capsys.readouterr().out
-    assert "| scaling efficiency " not in throughput_table({**two, "world_size": 1})
-
-
-def test_no_scaling_efficiency_from_a_busy_machine(tmp_path, monkeypatch, capsys):
-    """Load slows a one-process run and a two-process run unequally, so a ratio of the two
-    taken on a busy machine measures the load: not printed as a scaling figure."""
-    two, _, _ = tracked_run(tmp_path, monkeypatch, world_size=2, padded=False, load=9.0)
-    assert "scaling_efficiency" not in two
-    assert any("no scaling efficiency" in note and "busy" in note for note in two["notes"]), two["notes"]
-    assert "| scaling efficiency " not in capsys.readouterr().out
-
-
-def test_the_baseline_is_a_chapter_01_run_with_the_same_kernels(tmp_path):
-    """A scaling efficiency compares like with like: the chapter 01 run it divides by was
-    compiled, checkpointed its activations and ran deterministic kernels exactly when the
-    multi-process run did (each changes tokens/s), and is otherwise the same size."""
-    size = {"preset": "tiny", "seq_length": 8, "batch_size": 2, "device": "cpu", "dtype": "fp32",
-            "tokens_per_s": 1e3}
-    switches = ("compiled", "activation_checkpointing", "deterministic")
-    for name, on in [("plain", ()), *((k, (k,)) for k in switches)]:
-        (tmp_path / name).mkdir()
-        write_json(tmp_path / name / "summary.json", {"chapter": "01-single-gpu", "experiment_name": name,
-                                                      **size, **{k: k in on for k in switches}})
-    (tmp_path / "not-a-summary").mkdir()  # JSON, but no object: passed over, not a crash
-    (tmp_path / "not-a-summary" / "summary.json").write_text("[1, 2]")
-    for name, odd in [("data-a-string", {"data": "packed"}), ("threads-a-string", {"threads_per_process": "2"})]:
-        (tmp_path / name).mkdir()  # an object of the wrong shape (hand-edited): passed over too
-        write_json(tmp_path / name / "summary.json", {"chapter": "01-single-gpu", "experiment_name": name,
-                                                      **size, **{k: False for k in switches}, **odd})
-    (tmp_path / "other-size").mkdir()
-    write_json(tmp_path / "other-size" / "summary.json",
-               {"chapter": "01-single-gpu", "experiment_name": "other-size", **size, "batch_size": 4})
-    for name, on in [("plain", ()), *((k, (k,)) for k in switches)]:
-        run = {"chapter": "03-ddp", **size, **{k: True for k in on}}
-        assert metrics.find_baseline(tmp_path, run)["experiment_name"] == name
-    assert metrics.find_baseline(tmp_path, {**size, "compiled": True, "deterministic": True}) is None
 
 
 def test_write_json_on_a_full_disk_keeps_the_old_file_and_leaves_no_half_copy(small_disk):

@@ -315,14 +315,16 @@ def chapter_error(path: Path) -> str | None:
 
 
 def scaling(runs: list[report.Run]) -> str | None:
-    """The scaling efficiency of each run that measured one (its tokens/s per process over
-    chapter 01's run), or n/a and why when any run of the comparison shared a busy
-    machine: load slows a one-process run and a two-process run unequally (a one-thread
-    process far more), so their ratio measures the load, not the scaling."""
-    scaled = [r for r in runs if isinstance(r.summary.get("scaling_efficiency"), (int, float))]
-    if not scaled:
+    """The scaling efficiency of each run of several processes: its tokens/s per process
+    over chapter 01's tokens/s in this tour (the same per-process batch; 1.0 = linear).
+    n/a and why when any run of the comparison shared a busy machine: load slows a
+    one-process run and a two-process run unequally (a one-thread process far more), so
+    their ratio measures the load, not the scaling."""
+    base = next((r for r in runs if r.summary.get("chapter") == "01-single-gpu"), None)
+    scaled = [r for r in runs if (r.summary.get("world_size") or 1) > 1]
+    if base is None or not scaled:
         return None
-    busy = [r for r in runs if report.busy(r.summary)]
+    busy = [r for r in (base, *scaled) if report.busy(r.summary)]
     if busy:
         return ("Scaling efficiency: n/a. The machine was busy during " +
                 ", ".join(f"{r.name} (load average up to {r.summary['load_avg_max']:.1f} on "
@@ -330,7 +332,8 @@ def scaling(runs: list[report.Run]) -> str | None:
                 ": a busy machine slows runs of different process counts unequally, so their "
                 "ratio is no scaling figure; rerun on an idle machine.")
     return ("Scaling efficiency (tokens/s per process over chapter 01's tokens/s): " +
-            ", ".join(f"{r.name} {100 * r.summary['scaling_efficiency']:.1f}%" for r in scaled) + ".")
+            ", ".join(f"{r.name} {100 * r.summary['tokens_per_s_per_device'] / base.summary['tokens_per_s']:.1f}%"
+                      for r in scaled) + ".")
 
 
 def explanations(args, runs) -> list[str]:
