@@ -146,9 +146,9 @@ def readme_block(records: list[dict]) -> str:
     gpus = [r for r in records if r["kind"] == "gpu"]
     if gpus:
         g = gpus[-1]
-        met = "; ".join(f"{t['target']}: {_num(t['value'], 3)} (at least {t['at_least']:g})"
-                        for t in g["results"].get("targets", []))
-        parts.append(f"On {g['machine'].split(' (')[0]}, torch {g['torch']}, {g['date']}: {met}.")
+        rows = [[t["target"], _num(t["value"], 3), f"{t['at_least']:g}"] for t in g["results"].get("targets", [])]
+        parts.append(f"On {g['machine'].split(' (')[0]}, torch {g['torch']}, {g['date']}:\n\n"
+                     + markdown_table(["measured", "value", "target, at least"], rows, right={1, 2}))
     parts.append("Every figure, with where, when and how it was measured: [docs/results.md](docs/results.md).")
     return "\n\n".join(parts + [END])
 
