@@ -7,6 +7,7 @@ the benchmark's, the model and the loss as one graph.)"""
 from __future__ import annotations
 
 import errno
+import os
 import json
 from pathlib import Path
 
@@ -87,12 +88,12 @@ def test_a_json_path_that_cannot_be_written_is_refused_before_any_work(tmp_path,
 def test_a_failed_write_is_not_hidden_by_its_cleanup(tmp_path, monkeypatch):
     """When writing a JSON file fails and removing the half-written copy fails too (a
     read-only place), the error raised is the write's, alone."""
-    def no_space(self, *args, **kwargs):
+    def no_space(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     def read_only(self, *args, **kwargs):
         raise OSError(errno.EROFS, "Read-only file system")
-    monkeypatch.setattr(Path, "write_text", no_space)
+    monkeypatch.setattr(os, "fsync", no_space)  # the copy's bytes do not reach the disk
     monkeypatch.setattr(Path, "unlink", read_only)
     with pytest.raises(OSError) as raised:
         write_json(tmp_path / "bench.json", {"rows": []})

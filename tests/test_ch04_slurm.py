@@ -44,8 +44,8 @@ def uninterrupted_on_3_ranks(tmp_path_factory):
     return save_dir / NAME
 
 
-@pytest.mark.parametrize("nproc", [2, 3])
-@pytest.mark.parametrize("how", ["SIGTERM-to-every-process", "SIGINT-to-the-group"])
+@pytest.mark.parametrize("how, nproc", [("SIGTERM-to-every-process", 2), ("SIGTERM-to-every-process", 3),
+                                         ("SIGINT-to-the-group", 3)])  # SLURM on 2 and 3 ranks; a terminal's Ctrl-C
 def test_a_stop_signal_to_the_whole_job_saves_and_the_rerun_continues_exactly(tmp_path, request, how, nproc):
     reference = request.getfixturevalue("uninterrupted")[1] if nproc == 2 else \
         request.getfixturevalue("uninterrupted_on_3_ranks")

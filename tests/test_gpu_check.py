@@ -162,7 +162,7 @@ def test_the_install_resolves_against_what_is_installed_and_writes_only_into_its
         == ["guide_probe", "guide_probe_dep"]
     assert (site / "guide_probe" / "__init__.py").exists() and (site / "guide_probe_dep").is_dir()
     assert importlib.util.find_spec("guide_probe") is None  # this environment untouched
-    assert gpu_check.read_json_or_none(out / "results.json")["steps"][-1]["name"] == "use"
+    assert gpu_check.read_json(out / "results.json")["steps"][-1]["name"] == "use"
 
 
 def test_a_failed_resolve_ends_the_run(tmp_path):
@@ -183,7 +183,7 @@ def test_the_rehearsal_runs_the_runner_end_to_end_on_the_cpu(tmp_path, monkeypat
     out = tmp_path / "rehearsal"
     assert "no CUDA GPU here" in refused(capsys, gpu_check.parse_args, ["--out", out])
     status = gpu_check.main(["--out", str(out), "--rehearsal", "-k", "chapter_05_collectives"])
-    results = gpu_check.read_json_or_none(out / "results.json")
+    results = gpu_check.read_json(out / "results.json")
     assert status == 0, [(out / s["log"]).read_text()[-3000:] for s in results["steps"]]
     assert results["rehearsal"] and [s["name"] for s in results["steps"]] == ["gpu tests", "bench_model"]
     assert results["steps"][0]["command"].startswith(f"LLM_GUIDE_GPU_RESULTS={out} LLM_GUIDE_GPU_REHEARSAL=1 ")

@@ -148,12 +148,14 @@ def test_non_empty_out_is_refused_and_dry_run_runs_nothing(tmp_path, capsys):
     fresh = tmp_path / "fresh"
     proc = run([sys.executable, "-m", "tools.tour", "--dry-run", "--out", fresh])
     lines = [l for l in proc.stdout.splitlines() if l.startswith("[")]
-    assert len(lines) == 9  # 01-04, then 05's demo, benchmark, DDP and sharding from scratch, timeline
-    assert lines[0].startswith("[1/5] 01-single-gpu: python 01-single-gpu/train_llm.py")
-    assert lines[3].startswith("[4/5] 04-checkpointing: torchrun --standalone "
+    assert len(lines) == 10  # 01-04, 05's demo, benchmark, DDP and sharding from scratch, timeline, then 06
+    assert lines[0].startswith("[1/6] 01-single-gpu: python 01-single-gpu/train_llm.py")
+    assert lines[3].startswith("[4/6] 04-checkpointing: torchrun --standalone "
                                "--nproc-per-node=2 --max-restarts=3 04-checkpointing/train_llm.py")
     assert "--crash-at-step 15" in lines[3]
-    assert all(l.startswith("[5/5] 05-collectives: torchrun") for l in lines[4:])
+    assert all(l.startswith("[5/6] 05-collectives: torchrun") for l in lines[4:9])
+    assert lines[9].startswith("[6/6] 06-model-parallel: torchrun --standalone --nproc-per-node=2 "
+                               "06-model-parallel/train_llm.py") and "--pp 2" in lines[9]
     assert not fresh.exists()
 
 
