@@ -198,10 +198,17 @@ def read_json(path: Path) -> dict:
 
 
 def chapter_on_path(chapter: str) -> None:
-    """A chapter's folder on the path, as when its scripts run: the modules beside them
-    import by their plain names (`import proof`)."""
-    if str(REPO / chapter) not in sys.path:
-        sys.path.insert(0, str(REPO / chapter))
+    """A chapter's folder first on the path, as when its scripts run: the modules beside
+    them import by their plain names (`import proof`, `from train_llm import ...`), and a
+    module of that name another chapter's folder gave is forgotten."""
+    folder = REPO / chapter
+    if str(folder) in sys.path:
+        sys.path.remove(str(folder))
+    sys.path.insert(0, str(folder))
+    for path in folder.glob("*.py"):
+        module = sys.modules.get(path.stem)
+        if module is not None and Path(getattr(module, "__file__", None) or "").parent != folder:
+            del sys.modules[path.stem]
 
 
 def chapter_module(chapter: str, name: str):

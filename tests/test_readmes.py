@@ -39,8 +39,9 @@ SCRIPT_FAST = {
     "sharded_checkpoint.py": ["--model-preset", "tiny", "--seq-length", "32", "--batch-size", "2", "--steps", "2"],
     "overlap_timeline.py": ["--model-preset", "tiny", "--seq-length", "64", "--batch-size", "4",
                             "--modes", "naive,ddp", "--warmup", "1"],
-    "prove.py": ["--model-preset", "tiny"],
-    "measure.py": ["--model-preset", "tiny", "--seq-length", "32", "--microbatches-list", "1,2"],
+    "prove.py": ["--model-preset", "tiny", "--seq-length", "16", "--proof-steps", "1"],
+    "measure.py": ["--model-preset", "tiny", "--seq-length", "32", "--microbatches", "1,2", "--steps", "1",
+                   "--warmup", "0"],
 }
 TOOL_FAST = {"tools.tour": ["--dry-run"], "tools.gpu_check": ["--dry-run"],
              "tools.bench_model": ["--presets", "tiny", "--iters", "2", "--warmup", "1", "--no-compile"],
