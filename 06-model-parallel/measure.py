@@ -1,22 +1,27 @@
-"""Chapter 06, measured: the pipeline's bubble, its timeline, the activations each stage
-holds, and the bytes tensor parallelism all-reduces.
+"""Chapter 06, measured: the pipeline's bubble and its timeline; what each rank holds
+(parameters, gradients, AdamW's state, activations) and the bytes tensor parallelism
+all-reduces, against what `python -m tools.plan` says.
 
-Every rank is a pipeline stage (pp = the world size): this chapter's Pipeline runs
---steps steps of each schedule for every micro-batch count in --microbatches, each
-micro-batch of --microbatch-size samples, so a forward or backward takes the same time
-whatever m is. Each stage records when each forward and backward started and ended. On
-a CPU an operation has finished when its call returns, so these host timestamps are
-the work itself (on a GPU the pipeline waits for the device at each one), and the
-stages share one machine's monotonic clock. A stage's bubble is the share of the step
-it spends on neither, against the textbook's (p - 1) / (m + p - 1). Then every rank is
-a tensor-parallel rank (tp = the world size) and counts the bytes that go through
-tensor_parallel.all_reduce in one step, against the formula.
+The bubble. Every rank is a pipeline stage (pp = the world size): this chapter's
+Pipeline runs --steps steps of each schedule for every micro-batch count in
+--microbatches, each micro-batch of --microbatch-size samples, so a forward or backward
+takes the same time whatever m is. Each stage records when each forward and backward
+started and ended. On a CPU an operation has finished when its call returns, so these
+host timestamps are the work itself (on a GPU the pipeline waits for the device at each
+one), and the stages share one machine's monotonic clock. A stage's bubble is the share
+of the step it spends on neither, against the textbook's (p - 1) / (m + p - 1). On a
+CPU, run one process per core: more would share cores, and a stage that waits for a
+core looks busy or idle at random. The tokens are random over a --vocab-size vocabulary
+(timing does not depend on the text; a small vocabulary keeps the last stage's head
+from outweighing a decoder layer, and the formula assumes stages of equal work).
 
-On a CPU, run one process per core: more would share cores, and a stage that waits
-for a core looks busy or idle at random. The tokens are random over a --vocab-size
-vocabulary (timing does not depend on the text; a small vocabulary keeps the last
-stage's head from outweighing a decoder layer, and the formula assumes stages of equal
-work).
+The memory. For every layout of the world with one replica (pp x tp = the world size),
+one training step of this chapter's split_model: each rank counts its parameters,
+gradients and AdamW state, and what one micro-batch's forward (and loss) keeps for
+backward (saved-tensor hooks) plus the output the pipeline keeps; the planner must say
+the same, to the byte. Then every rank is a tensor-parallel rank (tp = the world size)
+and counts the bytes that go through tensor_parallel.all_reduce in one step, against
+the planner. The tables go to the terminal and to tables.md.
 
     torchrun --standalone --nproc-per-node=2 06-model-parallel/measure.py
 """
@@ -26,16 +31,19 @@ import os
 import statistics
 import sys
 import time
+from argparse import Namespace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
 
 # Runnable from the repo root or from inside this folder, installed or not.
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 import tensor_parallel  # noqa: E402
 from pipeline_parallel import Pipeline, StageModule, split_layers  # noqa: E402
+from train_llm import split_model  # noqa: E402
 from common.cli import comma_list, non_negative_int, one_of, positive_int  # noqa: E402
 from common.demos import script_parser, start_demo  # noqa: E402
 from common.distributed import gc_and_destroy_process_group  # noqa: E402
@@ -43,6 +51,9 @@ from common.environment import share_cpu_threads  # noqa: E402
 from common.errors import MODEL_OOM_ADVICE, UsageError, run_main  # noqa: E402
 from common.model import PRESETS, LlamaForCausalLM, get_config  # noqa: E402
 from common.runfolder import claim_run_folder  # noqa: E402
+from common.tables import markdown_table  # noqa: E402
+from common.training import build_optimizer  # noqa: E402
+from tools import plan  # noqa: E402  (the planner this script holds to its measurements)
 
 COUNTS = ("1", "2", "4", "8", "16")
 
@@ -141,27 +152,64 @@ def everyone_last_step(everyone):
     return [(s, kind, mb, a - begin, b - begin) for s, steps in enumerate(everyone) for kind, mb, a, b in steps[-1][2]]
 
 
-def activation_bytes(config, args, demo):
-    """The bytes autograd keeps for backward in one micro-batch's forward on this stage
-    (parameters left out), counted as the saved tensors are packed."""
-    torch.manual_seed(args.seed)
-    p, stage = demo.world, demo.rank
-    model = LlamaForCausalLM(config).to(demo.device)
-    module = StageModule(model, split_layers(config.num_hidden_layers, p)[stage], stage == 0, stage == p - 1)
-    params = {q.untyped_storage().data_ptr() for q in module.parameters()}
-    seen = {}
+def layouts(world: int, config) -> list[tuple[int, int]]:
+    """(pp, tp) of every layout of `world` ranks with one replica that fits the model."""
+    return [(world // tp, tp) for tp in range(1, world + 1) if world % tp == 0 and world // tp <= config.num_hidden_layers
+            and config.num_key_value_heads % tp == 0 and config.intermediate_size % tp == 0]
+
+
+def nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def saved_bytes(run, own) -> tuple[int, object]:
+    """(the bytes autograd keeps for backward while `run()` computes, each storage once,
+    leaving out `own`, the parameters and buffers; what `run()` returned)."""
+    skip, seen = {t.untyped_storage().data_ptr() for t in own}, {}
 
     def pack(t):
         storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
+        if storage.data_ptr() not in skip:
             seen[storage.data_ptr()] = storage.nbytes()
         return t
-    shape = (args.microbatch_size, args.seq_length)
-    x = torch.randint(0, config.vocab_size, shape, device=demo.device) if stage == 0 else \
-        torch.randn(*shape, config.hidden_size, device=demo.device, requires_grad=True)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        module(x)
-    return sum(seen.values())
+        out = run()
+    return sum(seen.values()), out
+
+
+def measure_memory(args, demo, config, pp: int, tp: int) -> dict:
+    """One training step of this layout, as train_llm.py takes it (split_model, AdamW),
+    on one micro-batch: what this rank holds, measured and planned."""
+    mesh = init_device_mesh(demo.device.type, (1, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
+    stage, tp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("tp")
+    torch.manual_seed(args.seed)
+    layout = Namespace(tp=tp, pp=pp, api="scratch", schedule="1f1b", microbatches=1)
+    module, pipeline, loss_fn, _ = split_model(LlamaForCausalLM(config).to(demo.device), mesh, layout, None,
+                                               demo.device)
+    optimizer = build_optimizer(module, 1e-3, 0.1, demo.device)
+    shape = (args.microbatch_size, args.seq_length)
+    gen = torch.Generator().manual_seed(args.seed)
+    x, y = (torch.randint(0, config.vocab_size, shape, generator=gen).to(demo.device) for _ in range(2))
+    inp = x if stage == 0 else torch.randn(*shape, config.hidden_size, device=demo.device, requires_grad=True)
+    last = stage == pp - 1
+    # one micro-batch's forward (and loss): what it saves, and the output the pipeline keeps
+    acts, out = saved_bytes(lambda: loss_fn(module(inp), y) if last else module(inp),
+                            [*module.parameters(), *module.buffers()])
+    acts += 0 if last else nbytes([out])
+    del out
+    pipeline.step([(x, y, None)], loss_fn)
+    measured = {"params": nbytes(map(tensor_parallel.local, module.parameters())),
+                "grads": nbytes(map(tensor_parallel.local_grad, module.parameters()))}
+    optimizer.step()
+    measured["optimizer"] = nbytes(t for st in optimizer.state.values() for t in st.values())
+    measured["activations_per_microbatch"] = acts
+    fp32 = plan.PRECISIONS["fp32"]
+    planned = {**plan.stage_state_bytes(config, tp, pp, stage, fp32, tp_rank),
+               "activations_per_microbatch": plan.stage_activation_bytes(
+                   config, args.microbatch_size * args.seq_length, args.seq_length, fp32, tp, pp, stage, tp_rank,
+                   cpu=demo.device.type == "cpu")}
+    return {"layout": f"pp{pp}xtp{tp}" if pp > 1 and tp > 1 else f"pp{pp}" if pp > 1 else f"tp{tp}",
+            "stage": stage, "tp_rank": tp_rank, "measured": measured, "planned": planned}
 
 
 # ---- tensor parallelism's bytes ---------------------------------------------------------
@@ -169,7 +217,7 @@ def activation_bytes(config, args, demo):
 def measure_tp_bytes(args, demo, config):
     """The bytes each tp rank all-reduces in one step of one decoder layer and of the
     whole model (forward and backward, tp = the world size), counted where
-    tensor_parallel.all_reduce is called, against the formula: per layer 4 B T h
+    tensor_parallel.all_reduce is called, against the planner: per layer 4 B T h
     elements (g after attention and after the MLP forward, f before them backward); the
     whole model adds the embedding's g and the head's f (B T h each) and the loss's
     three all-reduces of B T numbers."""
@@ -197,12 +245,10 @@ def measure_tp_bytes(args, demo, config):
         whole = sum(counted)
     finally:
         tensor_parallel.all_reduce = real
-    size = torch.finfo(torch.float32).bits // 8
-    L = config.num_hidden_layers
-    return {"tp": demo.world, "batch_tokens": B * T, "hidden_size": h, "bytes_per_element": size,
-            "layer_bytes": layer, "layer_formula": 4 * B * T * h * size,
-            "model_bytes": whole, "model_formula": ((4 * L + 2) * B * T * h + 3 * B * T) * size,
-            "ring_sent_per_rank_factor": 2 * (demo.world - 1) / demo.world}
+    layer_planned, whole_planned = plan.tp_all_reduce_bytes(config, B * T, plan.PRECISIONS["fp32"], demo.world, 1, 0)
+    return {"tp": demo.world, "batch_tokens": B * T, "hidden_size": h, "layer_bytes": layer,
+            "layer_planned": layer_planned, "model_bytes": whole, "model_planned": whole_planned,
+            "ring_sent_per_rank_factor": plan.RING_FACTOR["all_reduce"](demo.world)}
 
 
 # ---- report -----------------------------------------------------------------------------
@@ -231,29 +277,51 @@ def plot_timeline(results, path: Path, m: int):
     plt.close(fig)
 
 
-def report(args, demo, config, results, acts, tp_bytes, run_dir):
-    print("\nthe bubble: the share of a step a stage is idle (median over stages and steps)\n")
-    print("| schedule | m | measured | textbook (p-1)/(m+p-1) | micro-batches in flight, per stage | "
-          "activations held at most, MiB per stage |")
-    print("| --- | ---: | ---: | ---: | --- | --- |")
+def tables(results, memory, tp_bytes) -> str:
+    """The three tables, in Markdown: the bubble, what each rank holds, tp's bytes."""
+    mib = {(m["stage"]): m["measured"]["activations_per_microbatch"] / 2**20 for m in memory
+           if m["layout"] == f"pp{results[0]['stages']}"}
+    rows = []
     for r in results:
-        held = [n * b / 2**20 for n, b in zip(r["peak_in_flight_per_stage"], acts)]
-        r["activation_mib_per_stage"] = held
-        print(f"| {r['schedule']} | {r['m']} | {r['bubble']:.1%} | {r['textbook']:.1%} | "
-              f"{', '.join(map(str, r['peak_in_flight_per_stage']))} | {', '.join(f'{h:.1f}' for h in held)} |")
-    t = tp_bytes
-    print(f"\ntensor parallelism, tp {t['tp']}, {t['batch_tokens']} tokens x hidden {t['hidden_size']}, fp32: "
-          f"bytes each rank all-reduces per step (a ring sends {t['ring_sent_per_rank_factor']:.2f} x that)\n")
-    print("| part | counted | formula |\n| --- | ---: | ---: |")
-    print(f"| one decoder layer | {t['layer_bytes']:,} | {t['layer_formula']:,} |")
-    print(f"| the whole model, loss included | {t['model_bytes']:,} | {t['model_formula']:,} |")
+        p = r["stages"]
+        planned = [plan.in_flight(r["schedule"], r["m"], p, s) for s in range(p)]
+        rows.append((r["schedule"], r["m"], f"{r['bubble']:.1%}", f"{r['textbook']:.1%}",
+                     ", ".join(map(str, r["peak_in_flight_per_stage"])), ", ".join(map(str, planned)),
+                     ", ".join(f"{n * mib[s]:.2f}" for s, n in enumerate(r["peak_in_flight_per_stage"]))))
+    out = ["the bubble: the share of a step a stage is idle (median over stages and steps), and the "
+           "micro-batches whose activations each stage held at once\n",
+           markdown_table(("schedule", "micro-batches", "bubble", "textbook (p-1)/(m+p-1)", "held, per stage",
+                           "planner", "activations held, MiB per stage"), rows, right=(1, 2, 3))]
+    parts = ("params", "grads", "optimizer", "activations_per_microbatch")
+    rows = [(m["layout"], f"{m['stage']}, {m['tp_rank']}", *(f"{m['measured'][k]:,}" for k in parts),
+             "the same" if m["measured"] == m["planned"] else
+             "; ".join(f"{k} {m['planned'][k]:,}" for k in parts if m["planned"][k] != m["measured"][k]))
+            for m in memory]
+    out += ["\nbytes each rank holds after one step (one micro-batch), measured, and what "
+            "`python -m tools.plan` says (fp32; the activations as a CPU's F.rms_norm keeps them)\n",
+            markdown_table(("layout", "stage, tp rank", "params", "grads", "AdamW state",
+                            "activations, one micro-batch", "planner"), rows, right=range(2, 6))]
+    if tp_bytes:
+        t = tp_bytes
+        out += [f"\ntensor parallelism, tp {t['tp']}, {t['batch_tokens']} tokens x hidden {t['hidden_size']}, fp32: "
+                f"bytes each rank all-reduces per step (a ring sends {t['ring_sent_per_rank_factor']:.2f} x that)\n",
+                markdown_table(("part", "counted", "planner"),
+                               [("one decoder layer", f"{t['layer_bytes']:,}", f"{t['layer_planned']:,}"),
+                                ("the whole model, loss included", f"{t['model_bytes']:,}", f"{t['model_planned']:,}")],
+                               right=(1, 2))]
+    return "\n".join(out)
+
+
+def report(args, demo, config, results, memory, tp_bytes, run_dir):
+    text = tables(results, memory, tp_bytes)
+    print("\n" + text, flush=True)
     run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "tables.md").write_text(text + "\n")  # what the tour's report shows
     m = max(n for n in map(int, args.microbatches) if n <= 4)
     plot_timeline(results, run_dir / "pipeline-timeline.png", m)
     (run_dir / "measure.json").write_text(json.dumps(
-        {"world_size": demo.world, "args": vars(args), "model_config": config.to_dict(),
-         "activation_bytes_per_microbatch": acts, "pipeline": results, "tensor_parallel": tp_bytes,
-         "torch_version": torch.__version__}, indent=1) + "\n")
+        {"world_size": demo.world, "args": vars(args), "model_config": config.to_dict(), "pipeline": results,
+         "memory": memory, "tensor_parallel": tp_bytes, "torch_version": torch.__version__}, indent=1) + "\n")
     print(f"\noutputs in {run_dir} (timeline: pipeline-timeline.png, m = {m})", flush=True)
 
 
@@ -269,12 +337,15 @@ def main():
                   f"of {args.microbatch_size} x {args.seq_length} tokens; m = {', '.join(args.microbatches)}; "
                   f"{args.steps} steps each after {args.warmup}", flush=True)
         results = measure_bubble(args, demo, config)
-        acts = [None] * demo.world
-        dist.all_gather_object(acts, activation_bytes(config, args, demo))
-        tp_bytes = measure_tp_bytes(args, demo, config) if config.num_key_value_heads % demo.world == 0 \
-            and config.intermediate_size % demo.world == 0 else None
+        memory = []
+        for pp, tp in layouts(demo.world, config):
+            every = [None] * demo.world
+            dist.all_gather_object(every, measure_memory(args, demo, config, pp, tp))
+            memory += every
+        tp_bytes = measure_tp_bytes(args, demo, config) if (demo.world, demo.world) in \
+            [(pp * tp, tp) for pp, tp in layouts(demo.world, config)] else None
         if demo.rank == 0:
-            report(args, demo, config, results, acts, tp_bytes, run_dir)
+            report(args, demo, config, results, memory, tp_bytes, run_dir)
         dist.barrier()
     finally:
         gc_and_destroy_process_group()

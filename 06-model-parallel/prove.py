@@ -15,9 +15,11 @@ must equal 1F1B bit for bit, and torch's layouts must equal ours; else exit stat
 """
 
 import json
+import math
 import os
 import sys
 from argparse import Namespace
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -32,13 +34,47 @@ from train_llm import all_reduce_gradients, clip_grad_norm, compute_loss, split_
 from common.cli import check_seq_length, non_negative_int, one_of, positive_float, positive_int  # noqa: E402
 from common.demos import script_parser, start_demo  # noqa: E402
 from common.distributed import gc_and_destroy_process_group  # noqa: E402
+from common.environment import set_tf32, tf32_enabled  # noqa: E402
 from common.errors import MODEL_OOM_ADVICE, UsageError, run_main  # noqa: E402
 from common.model import PRESETS, LlamaForCausalLM, RMSNorm, get_config  # noqa: E402
-from common.proof import adam_ratio_bound, exact_kernels, max_over_ranks  # noqa: E402
 from common.runfolder import claim_run_folder  # noqa: E402
 from common.training import build_optimizer  # noqa: E402
 
 BETAS, EPS = (0.9, 0.95), 1e-8  # build_optimizer's AdamW: the bound depends on them
+
+
+# ---- from chapter 05's proof.py (05-collectives/proof.py), repeated here so that this
+# chapter reads on its own ---------------------------------------------------------------
+
+def max_over_ranks(value: float, device) -> float:
+    """The largest of every rank's `value` (a collective: every rank calls it)."""
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def adam_ratio_bound(betas: tuple[float, float], step: int) -> float:
+    """An upper bound on |m_hat / sqrt(v_hat)| at AdamW step `step` (1-based), whatever
+    the gradients (Cauchy-Schwarz on AdamW's two moving averages): 1 at step 1."""
+    b1, b2 = betas
+    series = sum((b1 * b1 / b2) ** k for k in range(step))
+    return (1 - b1) * math.sqrt((1 - b2 ** step) * series) / ((1 - b1 ** step) * math.sqrt(1 - b2))
+
+
+@contextmanager
+def exact_kernels():
+    """While the proof runs: deterministic kernels where torch has them, and no TF32 in
+    fp32 matmuls on GPUs; restored afterwards."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read by cuBLAS when it starts
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled(), tf32_enabled())
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    set_tf32(False)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        set_tf32(before[2])
 
 
 def layouts(world: int, config, batch: int) -> list[Namespace]:
@@ -153,7 +189,7 @@ class Reference:
         that into a weight change of at most lr (1 + A_t) delta / (sqrt(v_hat) + eps), per
         element: from the same moments, m_hat moves by (1 - b1) / (1 - b1^t) delta <= delta,
         sqrt(v_hat) by sqrt((1 - b2) / (1 - b2^t)) delta <= delta, and |m_hat| <= A_t
-        sqrt(v_hat) (common.proof.adam_ratio_bound). The denominator is the element's
+        sqrt(v_hat) (adam_ratio_bound). The denominator is the element's
         own: where a gradient is large, rounding is small beside it."""
         lr, (_, beta2) = self.optimizer.param_groups[0]["lr"], BETAS
         amplify = lr * (1 + adam_ratio_bound(BETAS, step))

@@ -36,8 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, loss_parallel,
-                                               parallelize_module)
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from common.data import IGNORE_INDEX
 from common.model import apply_rotary, shares_kv_heads

@@ -7,7 +7,7 @@ replicas of that split model each train on their own slice of every global batch
 gradients averaged with one all-reduce per step.
 
     torchrun --standalone --nproc-per-node=4 06-model-parallel/train_llm.py --tp 2 --pp 2   # CPU: gloo
-    torchrun --standalone --nproc-per-node=8 06-model-parallel/train_llm.py --model-preset base --tp 2 --pp 2  # 8 GPUs
+    torchrun --standalone --nproc-per-node=8 06-model-parallel/train_llm.py --model-preset medium --tp 2 --pp 2  # 8 GPUs
 """
 
 import itertools
@@ -28,13 +28,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.data import DataLoader, DistributedSampler
 
 # Runnable from the repo root or from inside this folder, installed or not.
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from pipeline_parallel import SCHEDULES, Pipeline, StageModule, TorchPipeline, split_layers, stage_of  # noqa: E402
-from tensor_parallel import (full_weight, is_tp_sharded, local_grad, loss_parallel, parallelize,  # noqa: E402
-                             parallelize_with_torch, torch_cross_entropy, vocab_parallel_cross_entropy)
+from tensor_parallel import (full_weight, is_tp_sharded, local_grad, parallelize, parallelize_with_torch,  # noqa: E402
+                             torch_cross_entropy, vocab_parallel_cross_entropy)
 from common.cli import base_parser, one_of, positive_int, setup_logging  # noqa: E402
 from common.data import IGNORE_INDEX, build_datasets, check_enough_samples, dataset_info, local_rank0_first, worker_start_method  # noqa: E402
 from common.distributed import backend_for, gc_and_destroy_process_group  # noqa: E402

@@ -3,7 +3,8 @@ step by step, every layout of 2, 3 and 4 ranks (tp, pp, both, with dp beside the
 scratch and with torch's APIs; GPipe and 1F1B) stays within the derived rounding bound
 of chapter 01's step, and a skipped all-reduce breaks it; the training script with
 --tp 2 --pp 2 logs chapter 01's losses; a bad layout is one line and exit 2; the
-measured bubble shrinks as the micro-batches grow."""
+measured bubble shrinks as the micro-batches grow; `python -m tools.plan` says to the
+byte what each rank of a tensor- or pipeline-parallel layout holds and all-reduces."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import pytest
 import torch
 
 from conftest import CH01_STEPS, NO_GPU, REPO, TINY, load_script, read_json, read_jsonl, refused, run, torchrun_cmd
+from common.model import LlamaConfig
+from tools import plan
 
 SCRIPT = "06-model-parallel/train_llm.py"
 PROVE = "06-model-parallel/prove.py"
@@ -51,6 +54,16 @@ def test_both_schedules_run_each_micro_batch_once_and_1f1b_holds_at_most_p_minus
                 held.symmetric_difference_update({i})
                 peak = max(peak, len(held))
             assert peak == (m if schedule is pp.gpipe else min(p - s, m)), (schedule, s)
+
+
+def test_the_planner_splits_as_this_chapter_does():
+    for layers, stages in ((4, 3), (4, 4), (22, 4), (2, 1)):
+        assert plan.stage_layers(layers, stages) == [len(r) for r in pp.split_layers(layers, stages)]
+    for size, world in ((8192, 2), (501, 2), (10, 4), (5, 4)):
+        assert [plan.slice_rows(size, world, r) for r in range(world)] == \
+            [b - a for a, b in (tp.shard_range(size, r, world) for r in range(world))]
+    assert [plan.in_flight("1f1b", 8, 4, s) for s in range(4)] == [4, 3, 2, 1]
+    assert [plan.in_flight("gpipe", 8, 4, s) for s in range(4)] == [8] * 4 and plan.in_flight("1f1b", 2, 4, 0) == 2
 
 
 def test_shard_ranges_cover_each_row_once_as_torch_chunk_does():
@@ -211,14 +224,22 @@ def test_tp2_pp2_training_logs_chapter_01s_losses(ch01_smoke, tmp_path):
 
 # ------------------------------------------------------------------ measured
 
-def test_the_measured_bubble_shrinks_as_micro_batches_grow(tmp_path):
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    """measure.py on 2 ranks, m = 1, 2, 4, 8; a vocabulary of 501 splits unevenly over 2 tp
+    ranks (251 and 250 rows)."""
+    out = tmp_path_factory.mktemp("measure")
+    run(torchrun_cmd(2, MEASURE, "--seq-length", 32, "--steps", 2, "--vocab-size", 501, "--save-dir", out,
+                     "--experiment-name", "m"), timeout=300)
+    return out / "m"
+
+
+def test_the_measured_bubble_shrinks_as_micro_batches_grow(measured):
     """Two stages, m = 1, 2, 4, 8: for each schedule the bubble at m = 8 is well below
     the one at m = 1 (textbook 11% against 50%: on a busy machine the measured figures sit
     above it, so only the trend is asserted); GPipe holds all m micro-batches, 1F1B at
-    most 2 - s; the tensor-parallel bytes equal the formula; the timeline is drawn."""
-    run(torchrun_cmd(2, MEASURE, "--seq-length", 32, "--steps", 2, "--save-dir", tmp_path,
-                     "--experiment-name", "m"), timeout=300)
-    result = read_json(tmp_path / "m" / "measure.json")
+    most 2 - s; the timeline is drawn."""
+    result = read_json(measured / "measure.json")
     runs = {(r["schedule"], r["m"]): r for r in result["pipeline"]}
     for schedule in ("gpipe", "1f1b"):
         assert runs[schedule, 8]["bubble"] < runs[schedule, 1]["bubble"] - 0.1, schedule
@@ -226,6 +247,34 @@ def test_the_measured_bubble_shrinks_as_micro_batches_grow(tmp_path):
             assert runs[schedule, m]["textbook"] == pytest.approx(1 / (m + 1))
     assert all(runs["gpipe", m]["peak_in_flight_per_stage"] == [m, m] for m in (1, 2, 4, 8))
     assert runs["1f1b", 8]["peak_in_flight_per_stage"] == [2, 1]
+    assert (measured / "pipeline-timeline.png").stat().st_size > 10_000
+
+
+def test_the_planner_says_what_each_rank_holds_and_all_reduces_to_the_byte(measured):
+    """Each rank of pp 2 and of tp 2, after one step of split_model's layout: its
+    parameters, gradients and AdamW state as counted, and one micro-batch's activations
+    as autograd saved them (plus the output a stage keeps), are what `tools.plan` says
+    (with a CPU's F.rms_norm); the micro-batches each stage held at once are the
+    planner's; the bytes tensor parallelism all-reduced are the planner's. measure.py's
+    table says so for the tour."""
+    result = read_json(measured / "measure.json")
+    config, fp32 = LlamaConfig(**result["model_config"]), plan.PRECISIONS["fp32"]
+    tokens = result["args"]["microbatch_size"] * result["args"]["seq_length"]
+    layouts = {"pp2": (2, 1), "tp2": (1, 2)}
+    assert sorted((m["layout"], m["stage"], m["tp_rank"]) for m in result["memory"]) == \
+        [("pp2", 0, 0), ("pp2", 1, 0), ("tp2", 0, 0), ("tp2", 0, 1)]
+    for m in result["memory"]:
+        stages, tp_size = layouts[m["layout"]]
+        held = plan.stage_state_bytes(config, tp_size, stages, m["stage"], fp32, m["tp_rank"])
+        assert {k: m["measured"][k] for k in held} == held, m
+        assert m["measured"]["activations_per_microbatch"] == plan.stage_activation_bytes(
+            config, tokens, result["args"]["seq_length"], fp32, tp_size, stages, m["stage"], m["tp_rank"], cpu=True), m
+    ranks = {(m["layout"], m["tp_rank"]): m["measured"] for m in result["memory"]}
+    assert ranks["tp2", 0]["params"] - ranks["tp2", 1]["params"] == 2 * 4 * config.hidden_size  # 251 rows vs 250
+    for r in result["pipeline"]:
+        assert r["peak_in_flight_per_stage"] == [plan.in_flight(r["schedule"], r["m"], 2, s) for s in (0, 1)]
     t = result["tensor_parallel"]
-    assert t["layer_bytes"] == t["layer_formula"] > 0 and t["model_bytes"] == t["model_formula"]
-    assert (tmp_path / "m" / "pipeline-timeline.png").stat().st_size > 10_000
+    assert (t["layer_bytes"], t["model_bytes"]) == plan.tp_all_reduce_bytes(config, tokens, fp32, 2, 1, 0)
+    assert t["layer_bytes"] == 4 * tokens * config.hidden_size * 4  # 4 all-reduces of B x T x h, fp32
+    table = (measured / "tables.md").read_text()
+    assert table.count("| the same |") == 4 and "| one decoder layer" in table

@@ -53,6 +53,7 @@ pytestmark = [pytest.mark.gpu,
                                         "on a GPU machine)")]
 
 CH01, CH02, CH03 = "01-single-gpu/train_llm.py", "02-data-parallel/train_llm.py", "03-ddp/train_llm.py"
+CH06 = "06-model-parallel/train_llm.py"
 CH01_MEMORY = "01-single-gpu/memory_anatomy.py"
 CH05 = "05-collectives"
 GLOO = {"LLM_GUIDE_BACKEND": "gloo"}   # two ranks on the one GPU
@@ -496,3 +497,36 @@ def test_chapter_05_sharded_checkpoint_saved_on_two_gloo_ranks_loads_on_one_nccl
     assert re.search(r"every parameter and AdamW moment equals the saved state", out), out[-3000:]
     record("ch05_dcp_gloo_2_to_nccl_1", "ok")
 
+
+# ---------------------------------------------------------------- chapter 06
+
+def test_ch06_tensor_parallel_on_two_ranks_sharing_the_gpu_trains_what_chapter_01_trains(runs_dir, ch01_tiny,
+                                                                                           record):
+    """--tp 2 over gloo, the two ranks sharing the GPU (dp 1: the global batch is chapter
+    01's batch of 8, each matmul split in two): chapter 01's training to bf16's rounding.
+    (A pipeline over gloo on a GPU is not run: gloo sends point to point from host
+    memory only.)"""
+    name = "ch06-tp2-gloo"
+    proc = run(torchrun_cmd(2, CH06, *tiny(runs_dir, name, 8, "--tp", 2)), env=GLOO, timeout=300)
+    summary = read_json(runs_dir / name / "summary.json")
+    on_the_gpu(summary, "gloo", world_size=2)
+    assert (summary["dp"], summary["pp"], summary["tp"], summary["global_batch_size"]) == (1, 1, 2, 8)
+    assert "layout: dp 1 x pp 1 x tp 2" in proc.stdout
+    figures = chapter_figures(summary)
+    record("ch06_tiny_tp2_gloo_2", figures)
+    diff = assert_trains_like(runs_dir / name, ch01_tiny)
+    record("ch06_tiny_tp2_gloo_2", {**figures, "loss_rel_diff_vs_ch01": diff})
+
+
+def test_ch06_at_world_size_1_on_nccl_trains_what_chapter_01_trains(runs_dir, ch01_tiny, record):
+    """torchrun with one process, --tp 1 --pp 1: nccl, a one-rank device mesh, the one
+    stage the whole model; chapter 01's training to bf16's rounding."""
+    name = "ch06-nccl-1"
+    proc = run(torchrun_cmd(1, CH06, *tiny(runs_dir, name, 8, "--tp", 1, "--pp", 1)), timeout=300)
+    summary = read_json(runs_dir / name / "summary.json")
+    on_the_gpu(summary, NCCL)
+    assert f"backend {NCCL}" in proc.stdout and "layout: dp 1 x pp 1 x tp 1" in proc.stdout
+    figures = chapter_figures(summary)
+    record("ch06_tiny_nccl_1", figures)
+    diff = assert_trains_like(runs_dir / name, ch01_tiny)
+    record("ch06_tiny_nccl_1", {**figures, "loss_rel_diff_vs_ch01": diff})

@@ -130,12 +130,11 @@ def test_the_activation_estimate_is_what_autograd_saves(precision):
     # normalised x (on CUDA one fused kernel keeps only its input and 1/rms).
     cpu_norm = plan.FP32 * config.hidden_size * batch * seq if p.stream == plan.FP32 else 0
     full = saved_bytes(model, x, y, precision, checkpointing=False)
-    # within the 4 bytes of the loss's total weight (a scalar the estimate leaves out)
     norms = 2 * config.num_hidden_layers + 1
-    assert 0 <= full - norms * cpu_norm - plan.activation_bytes(config, batch, seq, p, checkpointing=False) <= 4
+    assert full - norms * cpu_norm == plan.activation_bytes(config, batch, seq, p, checkpointing=False)
     kept = saved_bytes(model, x, y, precision, checkpointing=True)  # each layer's input only
     recomputed = plan.layer_activation_bytes(config, batch * seq, seq, p)  # one layer, in backward
-    assert 0 <= kept - cpu_norm - (plan.activation_bytes(config, batch, seq, p, checkpointing=True) - recomputed) <= 4
+    assert kept - cpu_norm == plan.activation_bytes(config, batch, seq, p, checkpointing=True) - recomputed
     assert kept < full / 3
 
 
@@ -144,6 +143,35 @@ def test_the_activation_estimate_is_what_autograd_saves(precision):
 def run_plan(argv, capsys) -> str:
     plan.main(argv)
     return capsys.readouterr().out
+
+
+def test_with_tp_and_pp_the_command_prints_chapter_06s_layout(capsys):
+    """8 ranks as dp 2 x pp 2 x tp 2: a row per stage, what its tp rank 0 holds (1F1B:
+    stage 0 holds 2 micro-batches, the last 1; GPipe: all 4) and sends.
+    06-model-parallel/measure.py holds these figures against what each rank really holds."""
+    argv = ["--model-preset", "tiny", "--vocab-size", "301", "--global-batch-size", "8", "--seq-length", "64",
+            "--precision", "fp32", "--tp", "2", "--pp", "2"]
+    out = run_plan(argv, capsys)
+    assert "8 ranks (1 x 8 GPUs): dp 2 x pp 2 x tp 2; 4 x 64 tokens per replica per step in 4 micro-batches, " \
+           "1f1b schedule" in out
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines() if re.match(r"\| [01] ", line)]
+    assert [r[:2] for r in rows[:2]] == [["0", "embedding, layer 0"], ["1", "layer 1, head"]]
+    c, fp32 = get_config("tiny", 301), plan.FP32
+    for stage, row in enumerate(rows[:2]):
+        state = plan.stage_state_bytes(c, 2, 2, stage, plan.PRECISIONS["fp32"])
+        micro = plan.stage_activation_bytes(c, 64, 64, plan.PRECISIONS["fp32"], 2, 2, stage)
+        assert row[2:] == [plan.size(state["params"]), plan.size(state["grads"]), plan.size(state["optimizer"]),
+                           plan.size(micro), str(2 - stage), plan.size((2 - stage) * micro),
+                           plan.size(sum(state.values()) + (2 - stage) * micro)]
+    # sent: tp's all-reduces (2 ranks: a ring sends 1 x the array), the pipeline's
+    # activations or gradients to one neighbour, the gradients all-reduced over 2 replicas
+    layer, stage_0 = plan.tp_all_reduce_bytes(c, 4 * 64, plan.PRECISIONS["fp32"], 2, 2, 0)
+    assert layer == 4 * 4 * 64 * 64 * fp32
+    grads = plan.stage_state_bytes(c, 2, 2, 0, plan.PRECISIONS["fp32"])["grads"]
+    assert rows[2][1:6] == [plan.size(layer), plan.size(stage_0), plan.size(4 * 64 * 64 * fp32), plan.size(grads),
+                            plan.size(stage_0 + 4 * 64 * 64 * fp32 + grads)]
+    out = run_plan([*argv, "--schedule", "gpipe"], capsys)
+    assert [line.split("|")[7].strip() for line in out.splitlines() if re.match(r"\| [01] +\| \w", line)] == ["4", "4"]
 
 
 def test_the_command_prints_the_three_tables(capsys):
@@ -172,6 +200,15 @@ def test_the_command_prints_the_three_tables(capsys):
     (["--params", "7e9", "--model-preset", "large"], "--params stands for the whole model"),
     (["--layers", "32", "--hidden-size", "4096"], "needs --heads, --intermediate-size"),
     (["--model-preset", "tiny", "--heads", "5"], "not a valid model shape"),
+    (["--model-preset", "tiny", "--tp", "4"], "--tp 4 does not divide the model's 2 KV heads"),
+    (["--tp", "3", "--gpus-per-node", "3"], "--tp 3 does not divide the model's 8 attention heads"),
+    (["--model-preset", "tiny", "--pp", "4"], "--pp 4 exceeds the model's 2 layers"),
+    (["--tp", "2", "--pp", "3"], "the 8 ranks (1 node(s) x 8) are not a multiple of --tp 2 x --pp 3"),
+    (["--pp", "2", "--batch-size", "4", "--microbatches", "3"], "--microbatches 3 does not divide the batch of 4"),
+    (["--tp", "2", "--global-batch-size", "6"], "not divisible by the 4 replicas"),
+    (["--params", "7B", "--tp", "2"], "give a preset or a shape, not --params"),
+    (["--pp", "2", "--modes", "ddp"], "with --tp or --pp the plan is chapter 06's layout"),
+    (["--pp", "2", "--schedule", "zb"], "unknown 'zb'"),
 ])
 def test_bad_input_exits_2_with_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as stop:
@@ -207,13 +244,13 @@ def test_without_a_shape_no_unit_is_gathered(capsys):
         assert cells[5] == "n/a" and cells[6] == "n/a", row  # one unit gathered; activations
 
 
-def test_the_chapter_05_readme_shows_the_commands_output(capsys, monkeypatch):
-    """Each `python -m tools.plan` command in the README is followed by its output, as
-    the current code prints it."""
-    text = (REPO / "05-collectives" / "README.md").read_text()
-    shown = re.findall(r"^```bash\n(python -m common\.plan [^\n]*)\n```\n\n```text\n(.*?)^```", text,
+def test_the_chapter_05_pages_show_the_commands_output(capsys, monkeypatch):
+    """Each `python -m tools.plan` command in chapter 05's pages is followed by its
+    output, as the current code prints it."""
+    text = "\n".join(page.read_text() for page in sorted((REPO / "05-collectives").glob("*.md")))
+    shown = re.findall(r"^```bash\n(python -m tools\.plan [^\n]*)\n```\n\n```text\n(.*?)^```", text,
                        flags=re.S | re.M)
-    assert shown, "the chapter 05 README shows no plan"
+    assert shown, "chapter 05's pages show no plan"
     for command, output in shown:
         monkeypatch.setattr(sys, "argv", ["python -m tools.plan"])
         assert run_plan(command.split()[3:], capsys) == output, command

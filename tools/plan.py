@@ -195,42 +195,63 @@ def sent_bytes(model: Model, mode: str, world: int, p: Precision) -> dict:
 
 # ------------------------------------------------------------------ the activations
 
-def normalised_bytes_per_token(h: int, p: Precision) -> int:
+def normalised_bytes_per_token(h: int, p: Precision, cpu: bool = False) -> int:
     """One RMSNorm's normalised x, where autograd keeps it. On a bf16 stream the norm
     multiplies its bf16 result by the weight, which keeps that result (h in bf16). On an
     fp32 stream F.rms_norm takes the weight itself, and on CUDA (torch >= 2.9) its fused
-    kernel keeps only its input and 1/rms: nothing more. (A CPU's F.rms_norm is made of
-    several operations, which keep the fp32 normalised x too, 4h: the test adds it.)"""
-    return p.stream * h if p.stream != FP32 else 0
+    kernel keeps only its input and 1/rms: nothing more. A CPU's F.rms_norm is made of
+    several operations, which keep the fp32 normalised x too (`cpu`: 4h)."""
+    if p.stream != FP32:
+        return p.stream * h
+    return FP32 * h if cpu else 0
 
 
-def layer_activation_bytes(config: LlamaConfig, tokens: int, seq: int, p: Precision) -> int:
+def layer_activation_bytes(config: LlamaConfig, tokens: int, seq: int, p: Precision, tp: int = 1,
+                           cpu: bool = False) -> int:
     """What autograd saves for backward in one decoder layer of common.model on a GPU
-    (counted in tests/test_plan.py with saved-tensor hooks), for `tokens` = batch x seq:
-    fp32 always: the two RMSNorms' fp32 inputs (2h) and 1/rms (2), attention's logsumexp
-    (one per head); on a bf16 stream the norms' normalised x (2h), which the multiply by
-    the weight keeps (see `normalised_bytes_per_token`); in the compute dtype: q (h), k
-    and v (2 kv), attention's output (h), gate, up, silu and their product (4i), and the
-    norms' outputs as the linears take them (2h: once per norm, which under autocast
-    hands them over in bf16 already). Autocast also saves a bf16 copy of every
-    weight and of the rotary tables (4 x seq x head_dim)."""
+    (`cpu`: on a CPU), for `tokens` = batch x seq, on one of `tp` tensor-parallel ranks
+    (chapter 06; counted in tests/test_plan.py and 06-model-parallel/measure.py with
+    saved-tensor hooks). Whole on every tp rank, fp32: the two RMSNorms' inputs (2h) and
+    1/rms (2); on a bf16 stream the norms' normalised x (2h), which the multiply by the
+    weight keeps (see `normalised_bytes_per_token`); the norms' outputs as the linears
+    take them (2h in the compute dtype: once per norm, which under autocast hands them
+    over in bf16 already). Split over the tp ranks (by heads, by MLP features):
+    attention's logsumexp (one fp32 per head); in the compute dtype q (h), k and v
+    (2 kv), attention's output (h), gate, up, silu and their product (4i). Autocast also
+    saves a bf16 copy of every weight (this rank's slices) and of the rotary tables
+    (4 x seq x head_dim)."""
     c = config
     h, i, heads = c.hidden_size, c.intermediate_size, c.num_attention_heads
     kv = c.num_key_value_heads * c.head_dim
-    per_token = FP32 * (2 * h + 2 + heads) + 2 * normalised_bytes_per_token(h, p) + p.act * (4 * h + 2 * kv + 4 * i)
-    total = tokens * per_token
+    whole = FP32 * (2 * h + 2) + 2 * normalised_bytes_per_token(h, p, cpu) + p.act * 2 * h
+    split = (FP32 * heads + p.act * (2 * h + 2 * kv + 4 * i)) // tp  # tp divides each (check_layout)
+    total = tokens * (whole + split)
     if p.autocast:
-        total += p.act * (sum(math.prod(s) for s in llama(c).units[1] if len(s) >= 2) + 4 * seq * c.head_dim)
+        total += p.act * (sum(math.prod(s) for s in layer_shapes(c, tp) if len(s) >= 2) + 4 * seq * c.head_dim)
     return total
 
 
-def head_activation_bytes(config: LlamaConfig, tokens: int, p: Precision) -> int:
-    """Outside the layers: the token ids (embedding) and targets (loss), the final norm
-    (as a layer's), its output as the head takes it, and the fp32 log-softmax the
-    cross-entropy saves (vocab per token); autocast adds the head's bf16 weight."""
-    h, v = config.hidden_size, config.vocab_size
-    per_token = 2 * TOKEN_ID + FP32 * (h + 1) + normalised_bytes_per_token(h, p) + p.act * h + FP32 * v
-    return tokens * per_token + (p.act * v * h if p.autocast else 0)
+def embedding_activation_bytes(tokens: int, tp: int = 1) -> int:
+    """The token ids the embedding keeps; split over tp ranks, also which ids are another
+    rank's (one bool each)."""
+    return tokens * (TOKEN_ID + (tp > 1))
+
+
+def head_activation_bytes(config: LlamaConfig, tokens: int, p: Precision, tp: int = 1, tp_rank: int = 0,
+                          cpu: bool = False) -> int:
+    """After the layers: the final norm (as a layer's), its output as the head takes it,
+    and the loss. On one rank F.cross_entropy keeps the targets, the fp32 log-softmax
+    (vocab per token) and the total weight (one fp32); split over tp ranks, chapter 06's
+    vocab_parallel_cross_entropy keeps this rank's exp of the shifted logits and the
+    shifted logits (2 x its vocabulary slice per token, fp32), the gather's index, its
+    own mask, the sum of exp and the padding mask. Autocast adds the head's bf16 weight."""
+    h, v = config.hidden_size, slice_rows(config.vocab_size, tp, tp_rank)
+    norm = FP32 * (h + 1) + normalised_bytes_per_token(h, p, cpu) + p.act * h
+    if tp == 1:
+        total = tokens * (norm + TOKEN_ID + FP32 * v) + FP32
+    else:
+        total = tokens * (norm + 2 * FP32 * v + TOKEN_ID + 1 + FP32 + 1)
+    return total + (p.act * v * h if p.autocast else 0)
 
 
 def activation_bytes(config: LlamaConfig, batch: int, seq: int, p: Precision, checkpointing: bool) -> int:
@@ -240,7 +261,84 @@ def activation_bytes(config: LlamaConfig, batch: int, seq: int, p: Precision, ch
     tokens, layers = batch * seq, config.num_hidden_layers
     layer = layer_activation_bytes(config, tokens, seq, p)
     kept = layers * tokens * config.hidden_size * p.stream + layer if checkpointing else layers * layer
-    return kept + head_activation_bytes(config, tokens, p)
+    return kept + embedding_activation_bytes(tokens) + head_activation_bytes(config, tokens, p)
+
+
+# -------------------------------------------- chapter 06: the model split over ranks
+
+def slice_rows(size: int, tp: int, rank: int = 0) -> int:
+    """Rows of `size` on tp rank `rank`: ceil(size / tp) each, the last ones shorter
+    (torch.chunk's split, as chapter 06's shard_range cuts); rank 0 holds the most."""
+    per = -(-size // tp)
+    start = min(rank * per, size)
+    return min(start + per, size) - start
+
+
+def stage_layers(num_layers: int, pp: int) -> list[int]:
+    """Decoder layers per pipeline stage: the first num_layers % pp stages take one more
+    (chapter 06's split_layers)."""
+    per, extra = divmod(num_layers, pp)
+    return [per + (s < extra) for s in range(pp)]
+
+
+def layer_shapes(config: LlamaConfig, tp: int = 1) -> list[tuple[int, ...]]:
+    """One decoder layer's parameters on one of `tp` ranks: q, k, v, gate and up cut by
+    rows (output features), o and down by columns (input features), the norms whole."""
+    h, i = config.hidden_size, config.intermediate_size
+    kv = config.num_key_value_heads * config.head_dim
+    return [(h,), (h // tp, h), (kv // tp, h), (kv // tp, h), (h, h // tp), (h,), (i // tp, h), (i // tp, h),
+            (h, i // tp)]
+
+
+def stage_shapes(config: LlamaConfig, tp: int, pp: int, stage: int, tp_rank: int = 0) -> list[tuple[int, ...]]:
+    """The parameters one rank of chapter 06's layout holds: its stage's layers, the
+    embedding on the first stage, the final norm and the head on the last; the embedding
+    and the head cut over the tp ranks by vocabulary rows."""
+    h, v = config.hidden_size, slice_rows(config.vocab_size, tp, tp_rank)
+    layers = layer_shapes(config, tp) * stage_layers(config.num_hidden_layers, pp)[stage]
+    return [(v, h)] * (stage == 0) + layers + [(h,), (v, h)] * (stage == pp - 1)
+
+
+def stage_state_bytes(config: LlamaConfig, tp: int, pp: int, stage: int, p: Precision, tp_rank: int = 0) -> dict:
+    """Parameters, gradients and AdamW's state one rank holds between steps: its own
+    tensors, each in full (as ddp holds the whole model)."""
+    return state_bytes(Model([stage_shapes(config, tp, pp, stage, tp_rank)], [False], config), "ddp", 1, p)
+
+
+def in_flight(schedule: str, m: int, pp: int, stage: int) -> int:
+    """Micro-batches whose activations a stage holds at once at most: GPipe all m; 1F1B
+    its p - s - 1 warm-up forwards and one more (m, where there are fewer)."""
+    return m if schedule == "gpipe" else min(pp - stage, m)
+
+
+def stage_activation_bytes(config: LlamaConfig, tokens: int, seq: int, p: Precision, tp: int, pp: int, stage: int,
+                           tp_rank: int = 0, cpu: bool = False) -> int:
+    """One micro-batch of `tokens` on one rank of a stage: what autograd saves in its
+    forward (and the loss, on the last stage) and, on every stage but the last, the
+    output it sent on, which the pipeline keeps until that output's gradient comes back."""
+    total = stage_layers(config.num_hidden_layers, pp)[stage] * layer_activation_bytes(config, tokens, seq, p, tp, cpu)
+    if stage == 0:
+        total += embedding_activation_bytes(tokens, tp)
+    if stage == pp - 1:
+        return total + head_activation_bytes(config, tokens, p, tp, tp_rank, cpu)
+    return total + tokens * config.hidden_size * p.stream
+
+
+def tp_all_reduce_bytes(config: LlamaConfig, tokens: int, p: Precision, tp: int, pp: int, stage: int) -> tuple[int, int]:
+    """Per step of `tokens` (every micro-batch), the bytes of the arrays one tp rank
+    all-reduces: (per decoder layer, the whole stage). A layer: g after attention and
+    after the MLP in forward (the row-parallel outputs) and f before them in backward (the
+    gradient of the norms' outputs), tokens x h each, in the matmuls' dtype. The first
+    stage adds the embedding's g (in the stream's dtype), the last the head's f and the
+    loss's three all-reduces of one fp32 number per token."""
+    if tp == 1:
+        return 0, 0
+    h = config.hidden_size
+    layer = 4 * tokens * h * p.act
+    total = stage_layers(config.num_hidden_layers, pp)[stage] * layer
+    total += tokens * h * p.stream if stage == 0 else 0
+    total += tokens * (h * p.act + 3 * FP32) if stage == pp - 1 else 0
+    return layer, total
 
 
 # ------------------------------------------------------------------ the checkpoint
@@ -299,13 +397,15 @@ def parse_args(argv=None):
                    help="only a parameter count (7e9, 7B): no activations, no padding")
     g = p.add_argument_group("batch and cluster")
     g.add_argument("--seq-length", type=positive_int, default=2048, help="tokens per sample")
-    g.add_argument("--batch-size", type=positive_int, default=None, help="samples per step, per rank (default: 1)")
+    g.add_argument("--batch-size", type=positive_int, default=None,
+                   help="samples per step, per rank (with --tp or --pp: per replica, its ranks share it; default: 1)")
     g.add_argument("--global-batch-size", type=positive_int, default=None,
                    help="samples per step over all ranks (instead of --batch-size)")
     g.add_argument("--gpus-per-node", type=positive_int, default=8, help="ranks per node")
     g.add_argument("--nodes", type=positive_int, default=1, help="nodes")
     g = p.add_argument_group("training")
-    g.add_argument("--modes", type=comma_list(*MODES), default=",".join(MODES), help="comma list")
+    g.add_argument("--modes", type=comma_list(*MODES), default=None,
+                   help=f"comma list (default: {','.join(MODES)})")
     g.add_argument("--precision", type=one_of(*PRECISIONS), default="autocast",
                    help="; ".join(f"{k}: {v.what}" for k, v in PRECISIONS.items()))
     g.add_argument("--busbw-gbps", type=positive_float, default=100.0,
@@ -313,6 +413,12 @@ def parse_args(argv=None):
                         "measures it; across nodes, the network's)")
     g.add_argument("--disk-gbps", type=positive_float, default=2.0,
                    help="write and read bandwidth of each node to the checkpoint's storage, GB/s")
+    g = p.add_argument_group("model parallelism, as chapter 06 splits the model (world = dp x pp x tp)")
+    g.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel ranks")
+    g.add_argument("--pp", type=positive_int, default=1, help="pipeline stages")
+    g.add_argument("--microbatches", type=positive_int, default=None,
+                   help="micro-batches per batch (default: the batch, one sample each, with --pp 2 or more; else 1)")
+    g.add_argument("--schedule", type=one_of("gpipe", "1f1b"), default="1f1b", help="the pipeline's schedule")
 
     def check(args):
         if (args.layers or 0) > MAX_LAYERS:
@@ -329,17 +435,46 @@ def parse_args(argv=None):
         if args.world > MAX_RANKS:
             raise UsageError(f"{args.world:,} ranks ({args.nodes} node(s) x {args.gpus_per_node}): "
                              f"the plan handles at most {MAX_RANKS:,}")
+        split = args.tp * args.pp > 1
+        if split and args.params is not None:
+            raise UsageError("--tp and --pp split the model's tensors: give a preset or a shape, not --params")
+        if split and args.modes is not None:
+            raise UsageError("--modes are chapter 05's ways to shard data parallelism; with --tp or --pp the "
+                             "plan is chapter 06's layout, whose replicas all-reduce as DDP")
+        args.modes = args.modes or list(MODES)
+        args.model = count_only(args.params) if args.params is not None else llama(config_of(args, shape))
+        if split:
+            check_split(args.model.config, args)
+        args.dp = args.world // (args.tp * args.pp)
         if args.global_batch_size is not None:
             if args.batch_size is not None:
                 raise UsageError("give --batch-size (per rank) or --global-batch-size, not both")
-            if args.global_batch_size % args.world:
-                raise UsageError(f"--global-batch-size {args.global_batch_size} is not divisible by the "
-                                 f"{args.world} ranks ({args.nodes} node(s) x {args.gpus_per_node})")
-            args.batch_size = args.global_batch_size // args.world
+            if args.global_batch_size % args.dp:
+                who = f"{args.dp} replicas" if split else f"{args.world} ranks ({args.nodes} node(s) x {args.gpus_per_node})"
+                raise UsageError(f"--global-batch-size {args.global_batch_size} is not divisible by the {who}")
+            args.batch_size = args.global_batch_size // args.dp
         args.batch_size = args.batch_size or 1
-        args.model = count_only(args.params) if args.params is not None else llama(config_of(args, shape))
+        if args.microbatches is None:
+            args.microbatches = args.batch_size if args.pp > 1 else 1
+        if args.batch_size % args.microbatches:
+            raise UsageError(f"--microbatches {args.microbatches} does not divide the batch of {args.batch_size} "
+                             f"per {'replica' if split else 'rank'}")
     p.checks.append(check)
     return p.parse_args(argv)
+
+
+def check_split(c: LlamaConfig, args) -> None:
+    """The layout must fit the model and the ranks, as chapter 06's check_layout says."""
+    for n, what in ((c.num_attention_heads, "attention heads"), (c.num_key_value_heads, "KV heads"),
+                    (c.intermediate_size, "MLP features")):
+        if n % args.tp:
+            raise UsageError(f"--tp {args.tp} does not divide the model's {n} {what}")
+    if args.pp > c.num_hidden_layers:
+        raise UsageError(f"--pp {args.pp} exceeds the model's {c.num_hidden_layers} layers: a stage needs one at least")
+    if args.world % (args.tp * args.pp):
+        raise UsageError(f"the {args.world} ranks ({args.nodes} node(s) x {args.gpus_per_node}) are not a "
+                         f"multiple of --tp {args.tp} x --pp {args.pp}: data parallelism takes world / (tp x pp) "
+                         f"replicas")
 
 
 def config_of(args, shape_flags) -> LlamaConfig:
@@ -373,14 +508,21 @@ def duration(s: float) -> str:
     return f"{s * 1e3:,.3g} ms" if s < 1 else f"{s:,.3g} s"
 
 
-def plan(args) -> str:
-    """The plan as text: a header and three Markdown tables."""
-    model, p, world = args.model, PRECISIONS[args.precision], args.world
+def describe(model: Model) -> str:
     c = model.config
     shape = ("shape unknown (--params): no units, no activations, no padding; fsdp2 counted as zero3" if c is None else
              f"{c.num_hidden_layers} layers, hidden {c.hidden_size}, {c.num_attention_heads} heads "
              f"({c.num_key_value_heads} KV), MLP {c.intermediate_size}, vocab {c.vocab_size}")
-    lines = [f"model: {count(model.num_params)} parameters; {shape}",
+    return f"model: {count(model.num_params)} parameters; {shape}"
+
+
+def plan(args) -> str:
+    """The plan as text: a header and three Markdown tables (two for chapter 06's layout)."""
+    if args.tp * args.pp > 1:
+        return plan_split(args)
+    model, p, world = args.model, PRECISIONS[args.precision], args.world
+    c = model.config
+    lines = [describe(model),
              f"{world} ranks ({args.nodes} x {args.gpus_per_node} GPUs); {args.batch_size} x {args.seq_length} "
              f"tokens per rank per step",
              f"precision {args.precision}: {p.what}", "",
@@ -429,6 +571,49 @@ def plan(args) -> str:
     if "ddp" in args.modes and world > 1:
         notes.append("ddp resume: rank 0 reads, then broadcasts the state at the busbw")
     return "\n".join(lines + [""] + [f"- {n}" for n in notes])
+
+
+def plan_split(args) -> str:
+    """Chapter 06's layout: per pipeline stage (its tp rank 0, which holds the largest
+    vocabulary slice), what a rank holds and what it sends per step."""
+    c, p, tp, pp, dp, m = args.model.config, PRECISIONS[args.precision], args.tp, args.pp, args.dp, args.microbatches
+    tokens = args.batch_size * args.seq_length
+    lines = [describe(args.model),
+             f"{args.world} ranks ({args.nodes} x {args.gpus_per_node} GPUs): dp {dp} x pp {pp} x tp {tp}; "
+             f"{args.batch_size} x {args.seq_length} tokens per replica per step in {m} micro-batch"
+             f"{'es' * (m > 1)}, {args.schedule} schedule",
+             f"precision {args.precision}: {p.what}", "",
+             "held per rank (tp rank 0 of each stage, the largest vocabulary slice; activations: saved for backward "
+             "by one micro-batch, then as many micro-batches as the schedule holds at once; no activation "
+             "checkpointing):", ""]
+    held, sent = [], []
+    first_layer = 0
+    for stage, layers in enumerate(stage_layers(c.num_hidden_layers, pp)):
+        state = stage_state_bytes(c, tp, pp, stage, p)
+        micro = stage_activation_bytes(c, tokens // m, args.seq_length, p, tp, pp, stage)
+        n = in_flight(args.schedule, m, pp, stage)
+        what = [f"layers {first_layer}-{first_layer + layers - 1}" if layers > 1 else f"layer {first_layer}"]
+        what = ["embedding"] * (stage == 0) + what + ["head"] * (stage == pp - 1)
+        first_layer += layers
+        held.append((stage, ", ".join(what), size(state["params"]), size(state["grads"]), size(state["optimizer"]),
+                     size(micro), n, size(n * micro), size(sum(state.values()) + n * micro)))
+        layer, tp_bytes = tp_all_reduce_bytes(c, tokens, p, tp, pp, stage)
+        p2p = tokens * c.hidden_size * p.stream * ((stage < pp - 1) + (stage > 0))  # forward, backward
+        grads = p.comm * sum(math.prod(s) for s in stage_shapes(c, tp, pp, stage)) if dp > 1 else 0
+        total = RING_FACTOR["all_reduce"](tp) * tp_bytes + p2p + RING_FACTOR["all_reduce"](dp) * grads
+        sent.append((stage, size(layer), size(tp_bytes), size(p2p), size(grads), size(total),
+                     duration(total / (args.busbw_gbps * 1e9))))
+    lines.append(markdown_table(("stage", "holds", "params", "grads", "optimizer", "activations per micro-batch",
+                                 "micro-batches held", "activations held", "total"), held, right=range(2, 9)))
+    lines += ["", f"per rank per step: the arrays tensor parallelism all-reduces (per decoder layer, whole stage), "
+                  f"the pipeline sends to its neighbours, data parallelism all-reduces; sent with ring algorithms, "
+                  f"and its time at {args.busbw_gbps:g} GB/s:", ""]
+    lines.append(markdown_table(("stage", "tp all-reduce, per layer", "tp all-reduce", "pp sent",
+                                 "dp all-reduce", "sent", "time"), sent, right=range(1, 7)))
+    if tp > args.gpus_per_node:
+        lines += ["", f"- tp {tp} spans nodes of {args.gpus_per_node} GPUs: its all-reduces, in every layer, "
+                      f"cross the network"]
+    return "\n".join(lines)
 
 
 def main(argv=None):
