@@ -343,13 +343,16 @@ def explanations(args, runs) -> list[str]:
     efficiency = scaling(runs)
     if efficiency:
         said.append(efficiency)
-    if any(c[:2] in ("03", "04") for c in args.chapter_list):
+    if any(c[:2] in ("03", "04", "06") for c in args.chapter_list):
         said.append(f"Batch sizes: every process ran a batch of {s.batch_size} x {s.seq_length} "
                     f"tokens. 01 and 02 are one process (02's DataParallel splits its batch over "
                     f"the GPUs), so their step covers {s.batch_size} samples; 03 and 04 run "
                     f"{s.nproc} process(es), so their step covers {s.nproc} x {s.batch_size} = "
                     f"{s.nproc * s.batch_size} samples. tokens/s counts them all; compare tokens/s "
-                    f"per device across chapters.")
+                    f"per device across chapters."
+                    + (f" 06 splits each replica of the model over 2 processes (--pp 2), so its step "
+                       f"covers {max(1, s.nproc // 2)} x {s.batch_size} samples."
+                       if "06-model-parallel" in args.chapter_list else ""))
         if not args.gpus and s.nproc > 1:
             said.append(f"On CPU the {s.nproc} processes share the same {os.cpu_count()} cores: "
                         f"more processes add no compute, so expect no speed-up here. The mechanics "
