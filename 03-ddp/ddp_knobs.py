@@ -104,8 +104,9 @@ def counting_allreduce(traffic: Traffic, bucket: dist.GradBucket):
 
 def bf16_allreduce(traffic: Traffic, bucket: dist.GradBucket):
     """What torch's `bf16_compress_hook` does, counted: send a bf16 copy of the bucket
-    (divided by the world size), and copy the sum back into the fp32 bucket. (DDP takes
-    torch's own hook only on nccl, by its name; this one runs on gloo too.)"""
+    (divided by the world size), and copy the sum back into the fp32 bucket. (DDP refuses
+    torch's own hook, by its name, unless torch was built with CUDA and NCCL >= 2.10, or
+    XPU and XCCL, whatever the group's backend; this one runs on a CPU-only build too.)"""
     buffer = bucket.buffer()
     compressed = buffer.to(torch.bfloat16).div_(dist.get_world_size())
     count(traffic, compressed)
@@ -119,7 +120,8 @@ def bf16_allreduce(traffic: Traffic, bucket: dist.GradBucket):
 # ------------------------------------------------------------------- the settings
 
 def settings(args) -> dict:
-    """name -> (DDP keyword arguments, the hook). The first is DDP as chapter 03 uses it."""
+    """name -> (DDP keyword arguments, the hook). The first is DDP's defaults, which each
+    other setting changes in one place; chapter 03's own is "gradient_as_bucket_view"."""
     out = {"default": ({}, counting_allreduce)}
     out.update({f"bucket_cap_mb={c:g}": ({"bucket_cap_mb": c}, counting_allreduce) for c in args.bucket_caps})
     out["gradient_as_bucket_view"] = ({"gradient_as_bucket_view": True}, counting_allreduce)

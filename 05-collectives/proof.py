@@ -74,8 +74,8 @@ def adam_ratio_bound(betas: tuple[float, float], step: int) -> float:
 def adam_step_bound(world: int, dtype: torch.dtype, lr: float, step: int, max_grad: float,
                     betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8) -> float:
     """The largest |w - w_ddp| per weight element that summation order alone can cause in
-    AdamW step `step` (1-based) taken from the same weights and moments (the chapter 05
-    README derives it):
+    AdamW step `step` (1-based) taken from the same weights and moments, derived here
+    (05-collectives/data-parallel.md sketches it):
 
     - each rank's gradient, divided by N, is summed over N ranks in an order that differs
       between the modes; with N <= 2 the sum is the same (a + b = b + a, halving is
