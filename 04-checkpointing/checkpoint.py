@@ -17,6 +17,7 @@ Beside them, what a checkpoint is checked against: the settings that define a ru
 
 from __future__ import annotations
 
+import argparse
 import copy
 import itertools
 import os
@@ -157,6 +158,14 @@ def set_rng_states(states: dict, device):
     torch.set_rng_state(states["torch"].cpu())
     if torch.device(device).type == "cuda" and "cuda" in states:
         torch.cuda.set_rng_state(states["cuda"].cpu(), device)
+
+
+def checkpoint_folder(text: str) -> str:
+    """--resume-from: a checkpoint folder, checked where it is read (rank 0, first attempt)."""
+    elsewhere = os.environ.get("RANK", "0") != "0" or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+    if not elsewhere and not os.path.isfile(os.path.join(text, "manifest.json")):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a checkpoint folder (no manifest.json)")
+    return text
 
 
 class ResumableSampler(Sampler):

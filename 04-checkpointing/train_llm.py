@@ -33,10 +33,10 @@ from torch.utils.data import DataLoader, DistributedSampler
 # Runnable from the repo root or from inside this folder, installed or not; the lesson's
 # modules lie beside this script.
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
-from checkpoint import (ResumableSampler, TrainState, checkpoint_candidates, load_latest,  # noqa: E402
+from checkpoint import (ResumableSampler, TrainState, checkpoint_candidates, checkpoint_folder, load_latest,  # noqa: E402
                         rebuild_ddp_buckets, run_settings, save_checkpoint)
 from preemption import StopRequest, data_worker_ignores_stops  # noqa: E402
-from common.cli import base_parser, checkpoint_folder, non_negative_int, positive_int, setup_logging  # noqa: E402
+from common.cli import base_parser, non_negative_int, positive_int, setup_logging  # noqa: E402
 from common.data import IGNORE_INDEX, build_datasets, check_enough_samples, dataset_info, local_rank0_first, worker_start_method  # noqa: E402
 from common.distributed import DDP_NO_BUFFER_SYNC, backend_for, gc_and_destroy_process_group, init_process_group_for_restarts  # noqa: E402
 from common.environment import environment_info, exit_with_launcher, set_tf32, share_cpu_threads  # noqa: E402

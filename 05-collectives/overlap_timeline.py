@@ -37,7 +37,8 @@ from common.cli import comma_list, non_negative_int, positive_float  # noqa: E40
 from common.data import show_progress  # noqa: E402
 from common.demos import fixed_batches, script_parser, start_demo  # noqa: E402
 from common.distributed import gc_and_destroy_process_group  # noqa: E402
-from common.environment import device_name, environment_info, profiler_activities  # noqa: E402
+from common.demos import profiler_activities  # noqa: E402
+from common.environment import device_name, environment_info  # noqa: E402
 from common.errors import MODEL_OOM_ADVICE, run_main  # noqa: E402
 from common.files import write_json  # noqa: E402
 from common.model import get_config  # noqa: E402

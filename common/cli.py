@@ -1,6 +1,5 @@
-"""The command line chapters 01-04 share (`base_parser`): each flag checked by its `type=`,
-the checks of several flags inside `parse_args`, so bad input stops with one line on stderr
-and exit status 2 before any work, with nothing created on disk."""
+"""The command line chapters 01-04 share: each flag checked by its `type=`, the checks of
+several flags inside `parse_args`: bad input is one line, exit status 2, before any work."""
 
 from __future__ import annotations
 
@@ -31,7 +30,7 @@ CUBLAS_DETERMINISTIC = (":4096:8", ":16:8")
 
 
 def _number(cast, ok, requirement):
-    """A `type=` validator (argparse says its message as "argument --x: ...")."""
+    """A `type=` validator: argparse prints "argument --x: must be ..."."""
     def parse(text: str):
         try:
             value = cast(text)
@@ -80,7 +79,7 @@ def comma_list(*choices):
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Each flag's default once: not for switches and empty defaults, nor where the help says it."""
+    """Each flag's default once: not for switches, empty defaults, or where the help says it."""
 
     def _get_help_string(self, action):
         if action.default is None or action.default is False or "default" in (action.help or ""):
@@ -110,10 +109,9 @@ class Parser(argparse.ArgumentParser):
         return parsed
 
 
-def base_parser(chapter: str, description: str, *, distributed: bool = False,
-                resumes: bool = False) -> Parser:
-    """The chapters' shared flags. `distributed`: under torchrun (adds --timeout).
-    `resumes`: the run folder may hold an earlier run of the same job (chapter 04)."""
+def base_parser(chapter: str, description: str, *, distributed: bool = False, resumes: bool = False) -> Parser:
+    """The chapters' shared flags. `distributed`: under torchrun; `resumes`: the run
+    folder may hold an earlier run of the same job (chapter 04)."""
     p = Parser(description=description)
     p.set_defaults(chapter=chapter)
     p.add_argument("--experiment-name", default=None,
@@ -159,7 +157,9 @@ def check_args(args, *, run_dir_must_be_new: bool = True) -> None:
     """The checks that involve several flags, files or the machine. Raises UsageError."""
     check_run_folder(args, args.chapter, must_be_new=run_dir_must_be_new)
     check_seq_length(args)
-    check_data(args.dataset_name, args.tokenizer)
+    check_dataset_name(args.dataset_name)
+    if args.tokenizer:
+        load_tokenizer(args.tokenizer)
     check_device(args.device)
     workspace = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
     if args.deterministic and workspace not in (None, *CUBLAS_DETERMINISTIC):
@@ -167,8 +167,6 @@ def check_args(args, *, run_dir_must_be_new: bool = True) -> None:
                          f"sums; unset it or use {' or '.join(CUBLAS_DETERMINISTIC)}")
     threads_override()  # LLM_GUIDE_THREADS, if set, is a thread count
     args.cache_dir = args.cache_dir and os.path.expanduser(args.cache_dir)  # '~/cache' quoted, as a shell would
-    if args.cache_dir and os.path.exists(args.cache_dir) and not os.path.isdir(args.cache_dir):
-        raise UsageError(f"--cache-dir {args.cache_dir!r} exists and is not a folder")
 
 
 def check_seq_length(args) -> None:
@@ -176,13 +174,6 @@ def check_seq_length(args) -> None:
     if args.seq_length > max_pos:
         raise UsageError(f"--seq-length {args.seq_length} exceeds the {args.model_preset!r} preset's "
                          f"max_position_embeddings={max_pos}")
-
-
-def check_data(dataset_name: str, tokenizer: str | None = None) -> None:
-    """--dataset-name (and --tokenizer, if given) checked without loading the corpus."""
-    check_dataset_name(dataset_name)
-    if tokenizer:
-        load_tokenizer(tokenizer)
 
 
 def script_path() -> str:
@@ -211,8 +202,8 @@ def check_backend_choice(cuda: bool) -> None:
 
 
 def check_run_folder(args, name_prefix: str, *, must_be_new: bool = True) -> None:
-    """--experiment-name (default `<name_prefix>-<timestamp>`) and --save-dir: a safe folder name
-    in a writable folder, and (unless resuming) no earlier results there to overwrite."""
+    """--experiment-name (default `<name_prefix>-<timestamp>`) in a writable --save-dir,
+    holding (unless `must_be_new` is False) no earlier results to overwrite."""
     args.save_dir = os.path.expanduser(args.save_dir)  # '~/runs' quoted, as the shell would
     save_dir, job = Path(args.save_dir), os.environ.get("TORCHELASTIC_RUN_ID", "")
     if args.experiment_name is None and job not in ("", "none"):  # every rank and restart agrees on it
@@ -233,7 +224,7 @@ def check_run_folder(args, name_prefix: str, *, must_be_new: bool = True) -> Non
 
 
 def check_writable_folder(path: str | os.PathLike, flag: str) -> None:
-    """An output folder that can be made and written: its nearest existing part takes a file."""
+    """An output folder that can be made and written: its nearest existing part takes a byte."""
     path = Path(path).absolute()
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir():
@@ -286,18 +277,10 @@ def cuda_device_ids(text: str) -> list[int]:
 
 
 def no_compile_under_data_parallel(args) -> None:
-    """--compile under DataParallel (2+ GPUs), which copies the module every step: refused, not ignored."""
+    """--compile under DataParallel (2+ GPUs), which copies the module every step: refused."""
     cuda = torch.cuda.is_available() and not args.device.startswith("cpu")
     gpus = len(args.device_ids or range(torch.cuda.device_count())) if cuda else 0
     if args.compile and gpus >= 2:
         raise UsageError(f"--compile does not apply under nn.DataParallel ({gpus} GPUs): drop it, or "
                          f"train on one GPU (--device-ids 0); chapter 03 compiles under DDP")
 
-
-def checkpoint_folder(text: str) -> str:
-    """--resume-from: a checkpoint folder (with manifest.json), checked where it is read: on rank 0
-    (others may not share its disk), on a first attempt (a restart resumes from the latest)."""
-    elsewhere = os.environ.get("RANK", "0") != "0" or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
-    if not elsewhere and not os.path.isfile(os.path.join(text, "manifest.json")):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a checkpoint folder (no manifest.json)")
-    return text

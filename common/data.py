@@ -1,10 +1,8 @@
 """Corpus, tokenizer, token files and the two dataset forms (packed and padded).
 
-`--dataset-name` is `stdlib` (the standard library's .py files: real text everywhere,
-offline), a local file, folder or glob of .txt/.md/.py/.jsonl files, or else a hub id.
-The tokenizer (byte-level BPE, trained on the corpus) and the token files (memory-mapped
-by every rank) are cached under the corpus's identity: a second run never reads the text.
-Every failure is a `DataError` of one line; `local_rank0_first` makes it exit status 2.
+`--dataset-name` is `stdlib` (the standard library's .py files: offline), a local file,
+folder or glob of .txt/.md/.py/.jsonl files, or a hub id. The tokenizer and the token
+files are cached under the corpus's identity: a second run never reads the text.
 """
 
 from __future__ import annotations
@@ -37,7 +35,6 @@ LOCAL_SUFFIXES = (".txt", ".md", ".py", ".jsonl")
 IGNORE_INDEX = -100  # targets the loss skips (padding)
 VAL_FRACTION = 0.05  # the share of documents set aside for validation
 TOKEN_FORMAT = 1  # bump when the token files' layout changes: old caches are then ignored
-log = logging.getLogger(__name__)  # INFO reaches rank 0's log only (cli.setup_logging)
 
 
 class DataError(UsageError):
@@ -45,8 +42,7 @@ class DataError(UsageError):
 
 
 def import_datasets():
-    """`datasets` (imported late: a second), its bars only where someone watches, its logs
-    muted (its JSON builder logs a parse error before raising it: our one line says it)."""
+    """`datasets` (imported late: a second), its bars only where watched, its logs muted."""
     import datasets
 
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
@@ -62,7 +58,7 @@ def default_cache_dir() -> Path:
 
 class Corpus:
     """A corpus's name, identity (the caches' key: it changes whenever the text could) and
-    text (`dataset`, a "text" column), read on first use: a run with warm caches never does."""
+    text (`dataset`), read on first use."""
 
     def __init__(self, name: str, identity: str, load):
         self.name, self.identity, self._load = name, identity, load
@@ -73,8 +69,7 @@ class Corpus:
 
 
 def stdlib_files() -> list[Path]:
-    """The standard library's .py files but test suites. Skipped folders are never entered
-    (site-packages alone can hold 100,000 files): every run lists them, for the cache key."""
+    """The standard library's .py files but tests and installed packages (never entered)."""
     skip = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
     files = []
     for folder, subfolders, names in os.walk(sysconfig.get_paths()["stdlib"]):
@@ -261,11 +256,7 @@ def get_tokenizer(corpus: Corpus, vocab_size: int = DEFAULT_VOCAB_SIZE,
     key = hashlib.sha256(f"{corpus.identity}|{vocab_size}".encode()).hexdigest()[:16]
     path = Path(cache_dir or default_cache_dir()) / f"tokenizer-{key}.json"
     if path.exists():
-        try:
-            return load_tokenizer(path), str(path)
-        except DataError as e:  # the cache's own file: say it is one, and how to rebuild it
-            raise DataError(f"the cached tokenizer cannot be read ({e}); delete it (rm {path}) "
-                            f"and run again to retrain it") from None
+        return load_tokenizer(path), str(path)
     tok = train_tokenizer((corpus.dataset[i:i + 1000]["text"]
                            for i in range(0, len(corpus.dataset), 1000)), vocab_size)
     try:
@@ -282,9 +273,8 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 def tokenize_corpus(corpus: Corpus, tok, scratch: Path | None = None):
-    """A datasets.Dataset of one `ids` list per document (no special tokens): one `map` in
-    this process, as `encode_batch` spreads a batch over every core. A corpus read from files
-    is tokenized into `scratch` (the cache's disk), not into datasets' cache, where it would stay."""
+    """A datasets.Dataset of one `ids` list per document (`encode_batch` uses every core).
+    A corpus read from files is tokenized into `scratch`, not into datasets' cache."""
     ds = corpus.dataset
 
     def encode(batch):
@@ -308,8 +298,7 @@ def split_mask(n: int, val_fraction: float = VAL_FRACTION, split_seed: int = 0) 
 
 class Documents:
     """One split: its documents end to end, each followed by [EOT] (`tokens`), and where each
-    starts (`offsets`, one more: the last is the token count). Opened from the cache, both
-    are memory-maps: every rank reads the same file pages and holds none of it itself."""
+    starts (`offsets`, one more). Memory-maps: every rank reads the same file pages."""
 
     def __init__(self, tokens: np.ndarray, offsets: np.ndarray, opened_from: tuple | None = None):
         self.tokens, self.offsets, self.opened_from = tokens, offsets, opened_from  # open()'s arguments
@@ -356,9 +345,8 @@ def token_files(corpus: Corpus, tok, cache_dir: Path | None = None, val_fraction
 def write_token_files(path: Path, tokenize, tok, meta: dict, val_fraction: float = VAL_FRACTION,
                       split_seed: int = 0) -> None:
     """The cache folder `path` (<split>.bin: ids, [EOT] after each document; <split>.idx: int64
-    offsets; meta.json) from `tokenize(scratch)`, a Dataset of `ids`, a batch at a time. Built
-    under a temporary name, forced to disk and renamed into place whole: a killed run leaves
-    no half cache, and two jobs that build it at once both end up reading one complete copy."""
+    offsets; meta.json) from `tokenize(scratch)`. Built under a temporary name and renamed
+    into place whole: a killed run leaves no half cache, and two jobs end up with one copy."""
     import pyarrow.compute as pc
     from tqdm.auto import tqdm
 
@@ -406,11 +394,9 @@ def _open_token_files(path: Path, vocab_size: int) -> tuple[Documents, Documents
         meta = json.loads((path / "meta.json").read_text())
         dtype = np.dtype(meta["dtype"])
         splits = [Documents.open(path / s, dtype, meta[s]["documents"], meta[s]["tokens"]) for s in ("train", "val")]
-        for s, docs in zip(("train", "val"), splits):  # every document ends with [EOT]: checks the last token read
-            if len(docs) and docs.tokens[-1] != meta["eot_id"]:
-                raise ValueError("the last token is not [EOT]")
-            # an id beyond the embedding stops training with a traceback (a device-side assert on
-            # GPUs); max runs at memory speed, a chunk a map, unmapped after it: every run checks
+        # an id beyond the embedding stops training with a traceback (a device-side assert on
+        # GPUs); max runs at memory speed, a chunk a map (~25 ms per 100 M tokens)
+        for s, docs in zip(("train", "val"), splits):
             for start in range(0, len(docs.tokens), 1 << 26):
                 largest = np.memmap(path / f"{s}.bin", dtype, "r", start * dtype.itemsize,
                                     (min(1 << 26, len(docs.tokens) - start),)).max()
@@ -490,10 +476,10 @@ def build_datasets(dataset_name: str = "stdlib", seq_len: int = 256, packed: boo
     """Corpus -> tokenizer -> token files (cached, memory-mapped) -> train/val datasets."""
     corpus = open_corpus(dataset_name, subset, text_column)  # its text read only if needed
     tok, tok_path = get_tokenizer(corpus, vocab_size, cache_dir, tokenizer_path)
-    if not tokenizer_path and tok.get_vocab_size() < vocab_size:
-        log.info("the tokenizer learned %d tokens, fewer than --vocab-size %d: this corpus is too small "
-                 "to fill it (BPE ran out of pairs to merge); the model's vocabulary is %d",
-                 tok.get_vocab_size(), vocab_size, tok.get_vocab_size())
+    if not tokenizer_path and tok.get_vocab_size() < vocab_size:  # BPE ran out of pairs to merge
+        logging.getLogger(__name__).info(
+            "the tokenizer learned %d tokens, fewer than --vocab-size %d: this corpus is too small to fill it; "
+            "the model's vocabulary is %d", tok.get_vocab_size(), vocab_size, tok.get_vocab_size())
     pad, bot, eot = (tok.token_to_id(t) for t in SPECIAL_TOKENS)
     docs = token_files(corpus, tok, cache_dir, val_fraction)
     train, val = (PackedDataset(d, seq_len) if packed else PaddedDataset(d, seq_len, bot, eot, pad) for d in docs)
@@ -511,36 +497,27 @@ def check_enough_samples(dataset, global_batch: int) -> None:
 
 
 def dataset_info(data: Data) -> dict:
-    """What the run logs about its data. A corpus of few documents gets a note when its
-    validation split, whole documents, came out far larger than VAL_FRACTION of it."""
+    """What the run logs about its data; a note when validation came out empty or large."""
     info = {"dataset": data.corpus_name, "documents": data.num_documents,
             "train_samples": len(data.train), "val_samples": len(data.val),
             "form": "packed" if data.packed else "padded", "vocab_size": data.vocab_size,
             "tokenizer": data.tokenizer_path, "fingerprint": data.fingerprint}
     share = len(data.val) / max(1, len(data.train) + len(data.val))
-    if len(data.val) == 0:
-        why = ("the corpus is one document; a lone file is cut only at blank lines" if data.num_documents == 1
-               else "the documents set aside for it are shorter than one sample")
-        info["note"] = f"no validation samples ({why}): the validation loss will be n/a"
-    if share > 3 * VAL_FRACTION:
+    if share == 0 or share > 3 * VAL_FRACTION:  # whole documents: a few make a lopsided split
         info["note"] = (f"validation holds {share:.0%} of the samples: the split sets whole documents "
-                        f"aside ({VAL_FRACTION:.0%} of them, at least one), and this corpus has "
-                        f"{data.num_documents}; training sees the rest")
+                        f"aside ({VAL_FRACTION:.0%} of the {data.num_documents}, at least one of two)")
     return info
 
 
 def worker_start_method(num_workers: int) -> str | None:
-    """Fork on Linux (its default until Python 3.13): a worker shares the trainer's memory and
-    dies with it. Under 3.14's forkserver, workers outlive a trainer killed by SIGKILL, and a
-    stop signal to the trainer's group ends the workers chapter 04 keeps out of it."""
+    """Fork on Linux: a worker shares the trainer's memory and dies with it (3.14's
+    forkserver workers outlive a trainer killed by SIGKILL)."""
     return "fork" if num_workers > 0 and sys.platform.startswith("linux") else None
 
 
 def local_rank0_first(load):
-    """`load()`'s result (it fills the cache); a DataError stops the run with one line and
-    exit status 2. Under torchrun local rank 0 of every machine goes first and fills its
-    machine's cache (machines need not share a disk), then the others read it; an error on
-    any rank stops every rank with that line instead of leaving peers waiting."""
+    """`load()`'s result: local rank 0 of each machine fills its cache first, then the
+    others read it; a DataError on any rank stops every rank with one line, exit status 2."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     result, group = None, patient_group()  # waits for the data are not bounded by --timeout
     for turn in (0, 1):  # turn 0: local rank 0 of each machine; turn 1: the others

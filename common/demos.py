@@ -19,11 +19,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.profiler import ProfilerActivity
 from torch.utils.data import DataLoader, DistributedSampler
 
-from .cli import (DEFAULT_SAVE_DIR, REPO_ROOT, Parser, check_backend_choice, check_data, check_run_folder,
+from .cli import (DEFAULT_SAVE_DIR, REPO_ROOT, Parser, check_backend_choice, check_run_folder,
                   check_seq_length, one_of, positive_float, positive_int, seconds, seed_value)
-from .data import Data, build_datasets, check_enough_samples, local_rank0_first
+from .data import Data, build_datasets, check_dataset_name, check_enough_samples, local_rank0_first
 from .distributed import backend_for
 from .errors import UsageError
 from .model import PRESETS
@@ -48,7 +49,7 @@ def script_parser(name: str, description: str, *, min_world: int = 2,
         p.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW learning rate (constant)")
         p.add_argument("--seed", type=seed_value, default=0, help="initial weights (plus rank), data order")
         p.add_argument("--dataset-name", default="stdlib", help="'stdlib', a hub id, or a local path")
-        p.checks += [check_seq_length, lambda args: check_data(args.dataset_name)]
+        p.checks += [check_seq_length, lambda args: check_dataset_name(args.dataset_name)]
     p.add_argument("--timeout", type=seconds, default=600,
                    help="seconds a collective may wait for the other ranks before failing")
     if run_folder:
@@ -127,3 +128,9 @@ def fixed_batches(dataset_name: str, seq_len: int, batch_size: int, count: int, 
     return data, batches
 
 
+def profiler_activities(device: torch.device) -> list:
+    """What torch.profiler records: host operators, and GPU kernels; Kineto's log muted."""
+    if device.type == "cuda":
+        return [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # read when a recording starts
+    return [ProfilerActivity.CPU]

@@ -1,15 +1,5 @@
-"""Process-group plumbing the chapters use but do not teach.
-
-- `DDP_NO_BUFFER_SYNC`: DDP's "do not re-send buffers before every forward" keyword,
-  under the name this torch version knows.
-- `first_error`, `stop_on_any_error`, `on_rank0`: every rank learns the first rank's
-  error and all stop together, with one line; `on_rank0` runs a write on rank 0 alone.
-- `init_process_group_for_restarts`: chapter 04's join, safe across torchrun restarts.
-- `gc_and_destroy_process_group`: the teardown that avoids gloo's exit deadlock.
-- `backend_for`, `gpu_sharing_error`: nccl for GPUs, gloo for CPUs, or gloo on GPUs when
-  LLM_GUIDE_BACKEND says so (several ranks sharing one GPU, which nccl refuses).
-- `start_demo`: the process group of the chapter 05 scripts (one process per device).
-"""
+"""Process-group plumbing the chapters use but do not teach: the backend, every rank
+stopping on the first rank's error, a join that survives torchrun restarts, teardown."""
 
 from __future__ import annotations
 
@@ -24,32 +14,26 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .errors import fail
 
-# Our only buffers are the constant RoPE tables, so DDP need not re-broadcast them before
-# every forward. The flag was renamed (broadcast_buffers -> forward_sync_buffers); the old
-# name warns in recent torch.
+# Our only buffers are the constant RoPE tables: DDP need not re-broadcast them before every
+# forward. The flag was renamed (broadcast_buffers -> forward_sync_buffers).
 DDP_NO_BUFFER_SYNC = ({"forward_sync_buffers": False}
                       if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
                       else {"broadcast_buffers": False})
 
 
 BACKEND_ENV = "LLM_GUIDE_BACKEND"
-BACKENDS = ("nccl", "gloo")
 
 
 def backend_for(device: torch.device | str) -> str:
-    """The process group's backend for ranks on `device`: nccl for GPUs, gloo for CPUs.
-    LLM_GUIDE_BACKEND=gloo picks gloo on GPUs too: it moves CUDA tensors through host
-    memory (slowly), and unlike nccl it lets several ranks share one GPU. The choice is
-    checked with the flags (`gpu_sharing_error`), before any work."""
+    """nccl for GPUs, gloo for CPUs; LLM_GUIDE_BACKEND=gloo on GPUs lets several ranks
+    share one GPU (through host memory, slowly), which nccl refuses."""
     return os.environ.get(BACKEND_ENV) or ("nccl" if torch.device(device).type == "cuda" else "gloo")
 
 
 def gpu_sharing_error(choice: str, cuda: bool, processes: int, gpus: int) -> str | None:
-    """What is wrong with LLM_GUIDE_BACKEND=`choice` ("" when unset) for `processes`
-    ranks on a machine with `gpus` GPUs (`cuda`: the ranks train on them), or None.
-    Local rank r takes GPU r mod `gpus`: more ranks than GPUs share them, which gloo allows
-    and nccl refuses."""
-    if choice and choice not in BACKENDS:
+    """What is wrong with LLM_GUIDE_BACKEND=`choice` ("" when unset) for `processes` ranks
+    on a machine with `gpus` GPUs (`cuda`: the ranks train on them), or None."""
+    if choice not in ("", "nccl", "gloo"):
         return f"{BACKEND_ENV}={choice!r}: choose nccl or gloo (or leave it unset)"
     if choice == "nccl" and not cuda:
         return f"{BACKEND_ENV}=nccl needs GPUs, and this run has none (leave it unset on CPUs)"
@@ -60,8 +44,7 @@ def gpu_sharing_error(choice: str, cuda: bool, processes: int, gpus: int) -> str
 
 
 def first_error(error: str | None, group=None) -> str | None:
-    """Every rank passes its error (or None) and gets the lowest rank's error back. A
-    collective: every rank calls it. Without a process group it returns `error`."""
+    """Every rank passes its error (or None) and gets the lowest rank's error back (a collective)."""
     if not (dist.is_available() and dist.is_initialized()):
         return error
     errors = [None] * dist.get_world_size()
@@ -70,18 +53,15 @@ def first_error(error: str | None, group=None) -> str | None:
 
 
 def stop_on_any_error(error: str | None, status: int = 2, group=None) -> None:
-    """If any rank passes an error, every rank stops with the lowest rank's, in one line
-    (exit `status`). A collective."""
+    """If any rank passes an error, every rank stops with the lowest rank's (a collective)."""
     error = first_error(error, group)
     if error:
         fail(error, status=status)
 
 
 def on_rank0(work, rank: int, explain, status: int = 2) -> None:
-    """`work()` on rank 0 while the others wait (a collective): a write to rank 0's disk,
-    which the other machines may not share. If it raises an OSError (or torch.save's
-    RuntimeError on a full disk), `explain(error)` gives the line every rank stops with;
-    an error it leaves unexplained (None) is raised as it is."""
+    """`work()` (a write) on rank 0 while the others wait (a collective). `explain(error)`
+    gives the line every rank stops with, or None to raise the error as it is."""
     error = None
     if rank == 0:
         try:
@@ -94,18 +74,16 @@ def on_rank0(work, rank: int, explain, status: int = 2) -> None:
 
 
 def patient_group(seconds: float = 4 * 3600):
-    """A CPU (gloo) group of all ranks whose waits may last `seconds`: for waiting on work
-    that is not a collective (a peer training the tokenizer), which --timeout, meant for
-    collectives, should not cut short. A collective: every rank calls it."""
+    """A gloo group of all ranks whose waits may last `seconds`: for waiting on a peer's
+    work (training the tokenizer), which --timeout should not cut short. A collective."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
     return dist.new_group(backend="gloo", timeout=timedelta(seconds=seconds))
 
 
 def init_process_group_for_restarts(backend: str, timeout: timedelta, **kwargs):
-    """init_process_group on a store namespaced by torchrun's restart count. torchrun
-    keeps one store across restarts, still holding the dead workers' addresses; without
-    the prefix a restarted gloo group tries to reach them and times out (torch 2.13)."""
+    """init_process_group on a store namespaced by torchrun's restart count: the store
+    outlives restarts, and a restarted gloo group would try the dead workers' addresses."""
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun hosts it
@@ -116,9 +94,8 @@ def init_process_group_for_restarts(backend: str, timeout: timedelta, **kwargs):
 
 
 def gc_and_destroy_process_group():
-    """Collect garbage first (a DDP wrapper the caller just dropped holds the group in its
-    reducer), then destroy the group. Left to interpreter exit, the two teardowns can
-    deadlock in gloo."""
+    """Collect a dropped DDP wrapper (its reducer holds the group), then destroy the group:
+    left to interpreter exit, the two teardowns can deadlock in gloo."""
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()

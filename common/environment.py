@@ -1,6 +1,5 @@
-"""The machine and the process a run is on: facts (device name, `environment_info`, the
-launcher, peak memory), and the setup every chapter's `setup()` makes in sight
-(`exit_with_launcher`, `share_cpu_threads`, `set_tf32`)."""
+"""The machine a run is on (device name, environment, peak memory), and the setup each
+chapter's `setup()` makes in sight (`exit_with_launcher`, `share_cpu_threads`, `set_tf32`)."""
 
 from __future__ import annotations
 
@@ -15,7 +14,6 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from torch.profiler import ProfilerActivity
 
 from .errors import UsageError
 
@@ -23,10 +21,8 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def set_tf32(enabled: bool) -> None:
-    """Let fp32 matmuls and cuDNN convolutions on CUDA use TF32 tensor cores (10-bit
-    mantissa, several times faster), or not. Both of torch's APIs for it are written, to
-    the same setting: reading one that disagrees with the other raises, and torch's own
-    compiler reads the old one in some versions."""
+    """Let fp32 matmuls on CUDA use TF32 tensor cores (10-bit mantissa, faster), or not.
+    Both of torch's APIs are set: they must agree, and its compiler reads the old one."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the old API's deprecation notice
         torch.backends.cuda.matmul.allow_tf32 = enabled
@@ -45,8 +41,6 @@ def device_name(device: torch.device | str) -> str:
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    if device.type == "mps":
-        return "Apple MPS"
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -71,7 +65,6 @@ def environment_info() -> dict:
         "cuda_available": torch.cuda.is_available(),
         "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
         "cuda_version": torch.version.cuda,
-        "nccl_available": torch.distributed.is_available() and torch.distributed.is_nccl_available(),
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
     }
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -97,9 +90,8 @@ def peak_memory_mb(device: torch.device | str) -> tuple[float, str]:
 
 
 def end_with_parent(sig: int) -> bool:
-    """On Linux, ask the kernel to send this process `sig` the moment its parent dies
-    (PR_SET_PDEATHSIG); False where that cannot be asked. A parent that died before the
-    request is not noticed: the caller checks."""
+    """On Linux, ask the kernel to send this process `sig` when its parent dies; False
+    where that cannot be asked (a parent already gone is not noticed: the caller checks)."""
     if not sys.platform.startswith("linux"):
         return False
     try:
@@ -109,8 +101,7 @@ def end_with_parent(sig: int) -> bool:
 
 
 def exit_with_launcher():
-    """Under torchrun, on Linux: SIGTERM to this process when torchrun's agent dies (exit
-    now if it is already gone). No worker trains on as an orphan."""
+    """Under torchrun: SIGTERM when torchrun's agent dies, so no worker trains on alone."""
     if "LOCAL_RANK" not in os.environ or not end_with_parent(signal.SIGTERM):
         return
     if os.getppid() == 1:
@@ -121,8 +112,7 @@ THREADS_ENV = "LLM_GUIDE_THREADS"
 
 
 def threads_override() -> int | None:
-    """LLM_GUIDE_THREADS, the CPU threads per process a user asks for (None: unset).
-    UsageError unless a whole number >= 1 (the chapters' parsers check it)."""
+    """LLM_GUIDE_THREADS, the CPU threads per process a user asks for (None: unset)."""
     value = os.environ.get(THREADS_ENV, "").strip()
     if not value:
         return None
@@ -132,12 +122,9 @@ def threads_override() -> int | None:
 
 
 def share_cpu_threads(device: torch.device | str = "cpu") -> tuple[int, int]:
-    """The same CPU budget per machine in every chapter: each process gets its share of
-    the usable cores (divided by the processes of the group on this machine). On a GPU
-    the math runs on the device, and DataLoader workers and NCCL's threads need cores of
-    their own: half the share there, at most 8. LLM_GUIDE_THREADS=N sets it instead (a
-    machine other jobs share). Returns (threads per process, processes on this machine).
-    A collective when distributed."""
+    """Each process's share of this machine's cores (half, at most 8, on a GPU: workers
+    and NCCL need cores too), or LLM_GUIDE_THREADS. Returns (threads, processes on this
+    machine). A collective when distributed."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     here = 1
     if dist.is_available() and dist.is_initialized():
@@ -151,11 +138,3 @@ def share_cpu_threads(device: torch.device | str = "cpu") -> tuple[int, int]:
     torch.set_num_threads(threads)
     return threads, here
 
-
-def profiler_activities(device: torch.device) -> list:
-    """What torch.profiler records: the host's operators, and on a GPU its kernels. On a
-    CPU the profiler's Kineto log, whose trace markers read like errors, is silenced."""
-    if device.type == "cuda":
-        return [ProfilerActivity.CPU, ProfilerActivity.CUDA]
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # read when a recording starts
-    return [ProfilerActivity.CPU]

@@ -1,11 +1,6 @@
-"""How a run stops on an error: one line on stderr, never a traceback from every rank.
-
-- `UsageError`, `fail`: bad flags or an impossible configuration; one line, exit status 2.
-- `run_main(main)`: around a chapter's main(): Ctrl-C ends it with one line (exit 130), a
-  peer or network that stops answering with one line per process (exit 1), and so do a
-  batch too large for the device's memory (exit 1, with the flag to change) and a
-  DataLoader worker that died (exit 1).
-"""
+"""How a run stops on an error: one line on stderr, not a traceback from every rank.
+`fail` for bad input (exit status 2); `run_main` around a chapter's main() for Ctrl-C, a
+lost peer, memory that runs out and a DataLoader worker that died."""
 
 from __future__ import annotations
 
@@ -27,9 +22,7 @@ class UsageError(Exception):
 
 
 def end_progress_bars() -> bool:
-    """A progress bar redraws its line in place and leaves the cursor at its end: close
-    every bar this process shows (tqdm's, such as the tracker's) so that what is printed
-    next starts a line of its own, under the bar's last state. Whether there was one."""
+    """Close every progress bar shown (whether there was one): what follows starts a line."""
     shown = [bar for bar in list(getattr(tqdm, "_instances", ())) if not bar.disable]
     for bar in shown:
         bar.close()
@@ -43,22 +36,16 @@ def say_error(line: str) -> None:
 
 
 def quit_on_stop_signals() -> None:
-    """SIGTERM and SIGINT end this process silently again, whatever handler a chapter
-    installed to note them (chapter 04's StopRequest). In the main thread only, where
-    Python runs signal handlers; elsewhere the handlers stay."""
+    """SIGTERM and SIGINT end this process silently again (not chapter 04's handlers)."""
     with suppress(ValueError):
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_DFL)
 
 
 def fail(message: str, status: int = 2, *, skip_teardown: bool = False):
-    """One line on stderr, then exit with `status` (2: bad input). Under torchrun every
-    rank usually sees the same bad input: rank 0 says it at once. The other ranks wait a
-    moment before they speak and exit: torchrun stops a job as soon as one worker exits
-    with an error, so a rank that left first could end rank 0 before it printed. If rank
-    0 did not fail (a rank's own error), they speak for themselves after the wait.
-    `skip_teardown`: leave at once (os._exit), where the interpreter's teardown would
-    print more of the same failure (the queues of a DataLoader worker that died)."""
+    """One line on stderr, then exit with `status` (2: bad input). Other ranks wait a
+    moment first: torchrun ends the job when one worker exits, and rank 0 should have
+    said the line. `skip_teardown`: os._exit, where the teardown would say more."""
     rank = int(os.environ.get("RANK") or 0)
     if rank != 0:
         quit_on_stop_signals()  # torchrun's SIGTERM during the wait ends this rank unheard
@@ -74,18 +61,14 @@ def fail(message: str, status: int = 2, *, skip_teardown: bool = False):
 TIMED_OUT = ("timed out", "timeout")
 PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe",
              "connection refused", "failed to recv, got 0 bytes")
-# What gloo says without naming itself, in a plain RuntimeError: when one operation times
-# out, gloo closes every connection of its group, and an operation that was waiting on
-# another (DDP's all-reduce inside backward, say) fails with this instead of the timeout.
+# gloo's plain RuntimeError, without its name, for an operation waiting on one that timed out
 GLOO_UNNAMED = ("application timeout caused pair closure",)
 
 
 @contextmanager
 def explain_peer_failures(resumes: bool = False):
-    """A collective that times out (a peer or the network stopped answering) or finds its
-    peer gone ends this process with one line and exit status 1; `resumes`: the script
-    resumes from its checkpoints, and the line says so. (torchrun itself may then wait on
-    a machine that is gone, at its rendezvous: Ctrl-C ends it.)"""
+    """A collective that times out or finds its peer gone ends this process with one
+    line and exit status 1 (`resumes`: the line says that a rerun resumes)."""
     try:
         yield
     except RuntimeError as e:  # gloo and store errors are RuntimeError subclasses
@@ -100,7 +83,7 @@ def explain_peer_failures(resumes: bool = False):
         else:
             raise
         first = str(e).strip().splitlines()[0]
-        first = first.split("] ", 1)[-1] if first.startswith("[") else first
+        first = first.split("] ", 1)[-1] if first.startswith("[") else first  # no source location
         rank = os.environ.get("RANK", "0")
         left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0) - int(
             os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
@@ -115,26 +98,17 @@ def explain_peer_failures(resumes: bool = False):
         os._exit(1)  # no atexit teardown: it would talk to the peer that is gone
 
 
-# What an allocation that does not fit says: CUDA's allocator raises OutOfMemoryError, the
-# CPU allocator a RuntimeError: "DefaultCPUAllocator: not enough memory" when the size is
-# refused up front, "can't allocate memory" when Linux refuses it (a `ulimit -v` or
-# strict overcommit, common on clusters).
+# CUDA raises OutOfMemoryError; the CPU allocator a RuntimeError with one of these
 OUT_OF_MEMORY = ("out of memory", "not enough memory", "can't allocate memory")
-# What the DataLoader says when a worker process died under it (torch's
-# torch/utils/data/dataloader.py): "DataLoader worker (pid 7507) is killed by signal:
-# Killed." (the kernel's out-of-memory killer sends SIGKILL), or "DataLoader worker
-# (pid(s) 7507) exited unexpectedly" when it went without one.
+# What the DataLoader says when a worker process died under it
 WORKER_DIED = ("killed by signal", "exited unexpectedly")
-# The words torch (strsignal) gives the signals another process sends to stop a job.
-STOP_SIGNAL_WORDS = {signal.strsignal(s): s.name for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
 
 
 def dataloader_worker_died(e: BaseException) -> bool:
     text = str(e).lower()
     if isinstance(e, RuntimeError) and "dataloader worker (pid" in text and any(k in text for k in WORKER_DIED):
         return True
-    # A worker that died while it handed a batch over breaks the pipe before the
-    # DataLoader sees it dead: the connection's own error, raised inside the DataLoader.
+    # a worker that died handing a batch over breaks the pipe before the DataLoader sees it
     return isinstance(e, (ConnectionError, EOFError)) and any(
         "torch/utils/data/" in frame.filename.replace(os.sep, "/") for frame in traceback.extract_tb(e.__traceback__))
 
@@ -150,30 +124,25 @@ MODEL_OOM_ADVICE = "try a smaller --batch-size, --seq-length or --model-preset"
 
 
 INTERRUPTED = "stopped where it was; what it logged so far stays, nothing else was saved"
-# a script that resumes (chapter 04) outside its training loop (its loop saves a checkpoint
-# first, preemption.py)
+# chapter 04 outside its training loop (inside it, the loop saves a checkpoint first)
 INTERRUPTED_RESUMABLE = ("stopped where it was; the checkpoints saved so far stay, and the same "
                          "command resumes from the last one")
 
 
 def worker_death_cause(message: str) -> str:
-    """What ended a DataLoader worker, from torch's message: a stop signal sent to it
-    (SIGTERM, SIGINT, SIGHUP) is named as such; else the kernel's out-of-memory killer
-    (SIGKILL) is the usual cause."""
-    name = STOP_SIGNAL_WORDS.get(message.rsplit("killed by signal: ", 1)[-1].rstrip(". "))
+    """A stop signal sent to the worker itself (SIGTERM, SIGINT, SIGHUP: a scheduler ending
+    the job signals every process) is named; else the out-of-memory killer's SIGKILL."""
+    stops = {signal.strsignal(s): s.name for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    name = stops.get(message.rsplit("killed by signal: ", 1)[-1].rstrip(". "))
     if name:
-        return (f"{name}, a stop signal, reached the worker itself (a job scheduler ending the job "
-                f"signals each of its processes; so does `kill`): not a lack of memory")
-    return ("the kernel's out-of-memory killer is the usual cause (`dmesg` or `journalctl -k` says); "
-            "free memory, or pass --num-workers 0 to load batches in this process")
+        return f"{name}, a stop signal, reached the worker itself (a job scheduler or `kill`): not a lack of memory"
+    return ("the kernel's out-of-memory killer is the usual cause (`dmesg` says); free memory, "
+            "or pass --num-workers 0")
 
 
 def _interrupted(signum, frame):
-    """SIGINT during main(): this process's DataLoader workers are killed first, then
-    Ctrl-C's KeyboardInterrupt ends main(). A worker still alive when its trainer drops a
-    batch it was handing over prints multiprocessing's EOFError traceback; once SIGKILL
-    is sent, it runs no more code. Their deaths are ours: the DataLoader's SIGCHLD
-    handler must not report them."""
+    """SIGINT: kill the DataLoader workers first (a live one would print a traceback for
+    the batch it was handing over), unheard by the DataLoader, then end main()."""
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     for child in multiprocessing.active_children():
         child.kill()
@@ -181,11 +150,8 @@ def _interrupted(signum, frame):
 
 
 def run_main(main, oom_advice: str = TRAINING_OOM_ADVICE, resumes: bool = False):
-    """main(), with Ctrl-C as one line, a lost peer or network as one line per process
-    (`explain_peer_failures`), a batch that does not fit in memory as one line naming
-    the flag to lower (`oom_advice`), and a DataLoader worker that died (killed, most
-    often for memory) as one line, instead of a traceback on every rank. `resumes`: the
-    script resumes from its checkpoints (chapter 04), and its lines say so."""
+    """main(), with each failure above as one line instead of a traceback on every rank.
+    `oom_advice`: the flags to lower; `resumes`: the script resumes from its checkpoints."""
     previous = signal.signal(signal.SIGINT, _interrupted)
     try:
         # a chapter script holds SIGINT while it imports (its first lines): a Ctrl-C then

@@ -1,13 +1,5 @@
-"""Files a run writes whole or not at all, and the checksums that prove them intact.
-
-- `atomic_write`: replace a file whole or not at all: write beside it, force it to disk,
-  rename it over the old one, force the folder to disk. A kill or a full disk at any
-  moment leaves the old file or the new one, never half of one.
-- `write_json`, `read_json`: summary.json, caches and results, through `atomic_write`.
-- `write_manifest`, `verify_manifest`: `manifest.json` holds a folder's metadata and a
-  SHA-256 of every file in it (`hashed_write` takes it as the bytes go out).
-- `is_disk_full`, `one_line`: for the one-line errors.
-"""
+"""Files a run writes whole or not at all (`atomic_write`: a kill or a full disk leaves
+the old file or the new one), and the checksums in `manifest.json` that prove them intact."""
 
 from __future__ import annotations
 
@@ -39,8 +31,8 @@ def fsync_dir(path) -> None:
 
 
 def atomic_write(path, write) -> None:
-    """Replace `path` with what `write(f)` writes (a binary file), whole or not at all.
-    The copy beside it is named by this process, so two writers never share one."""
+    """Replace `path` with what `write(f)` writes: into a copy beside it (named by this
+    process), forced to disk, renamed over it."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
@@ -60,8 +52,7 @@ def write_json(path, obj) -> None:
 
 
 def read_json(path):
-    """A whole JSON file, or None if it is missing, unreadable, not JSON or nested too
-    deep for the parser (a crafted or damaged file is never fatal)."""
+    """A whole JSON file, or None if it is missing, unreadable or not JSON."""
     try:
         return json.loads(Path(path).read_text())
     except (OSError, ValueError, RecursionError):
@@ -69,11 +60,10 @@ def read_json(path):
 
 
 class HashingFile:
-    """A file opened for writing that hashes every byte on its way out: what torch.save
-    sends through it is digested in memory, never read back."""
+    """A file for writing that hashes every byte on its way out (never read back)."""
 
-    def __init__(self, f):
-        self.f, self.sha256 = f, hashlib.sha256()
+    def __init__(self, f, sha256):
+        self.f, self.sha256 = f, sha256
 
     def write(self, data) -> int:
         self.sha256.update(data)
@@ -85,13 +75,9 @@ class HashingFile:
 
 def hashed_write(path, write) -> str:
     """`fsync_write` through a `HashingFile`: returns the SHA-256 of what was written."""
-    hashing = []
-
-    def through_hasher(f):
-        hashing.append(HashingFile(f))
-        write(hashing[0])
-    fsync_write(path, through_hasher)
-    return hashing[0].sha256.hexdigest()
+    sha256 = hashlib.sha256()
+    fsync_write(path, lambda f: write(HashingFile(f, sha256)))
+    return sha256.hexdigest()
 
 
 def sha256_of(path) -> str:
@@ -104,8 +90,7 @@ def sha256_of(path) -> str:
 
 def write_manifest(folder: Path, meta: dict, known: dict[str, str] | None = None) -> None:
     """`meta` and a SHA-256 of every file under `folder` into manifest.json, written last
-    (a folder without one was never finished). `known`: digests taken as the files were
-    written; only the others are read back and hashed here."""
+    (a folder without one was never finished). `known`: digests taken as written."""
     known = known or {}
     files = {name: known.get(name) or sha256_of(p)
              for p in sorted(Path(folder).rglob("*")) if p.is_file() and p.name != MANIFEST
@@ -115,8 +100,8 @@ def write_manifest(folder: Path, meta: dict, known: dict[str, str] | None = None
 
 
 def verify_manifest(folder: Path, names=None) -> dict:
-    """The manifest's metadata, after checking the files `names` (default: all it lists)
-    against their checksums. ValueError naming the first problem."""
+    """The manifest's metadata, once the files `names` (default: all) match their
+    checksums; else ValueError naming the first problem."""
     meta = read_json(Path(folder) / MANIFEST)
     if not isinstance(meta, dict) or not isinstance(meta.get("sha256"), dict):
         raise ValueError(f"no readable {MANIFEST}")
@@ -134,8 +119,8 @@ def folder_mb(path) -> float:
 
 
 def is_disk_full(e: BaseException, where=None) -> bool:
-    """ENOSPC or EDQUOT; or, for errors that hide it (torch.save's zip writer raises a
-    RuntimeError), less than 8 MB left where the write went."""
+    """ENOSPC or EDQUOT; or, where an error hides it (torch.save's RuntimeError), under
+    8 MB left where the write went."""
     if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
         return True
     return where is not None and shutil.disk_usage(where).free < 8 * 2**20

@@ -1,23 +1,9 @@
-"""Additive attention masks for `F.scaled_dot_product_attention`.
+"""Additive attention masks (0: may look, a large negative number: may not) for the
+padded data form; packed sequences take `is_causal=True` with no mask at all.
 
-Only the padded data form needs them: packed sequences have no padding and take the
-`is_causal=True` fast path with no mask tensor at all.
-
-A mask here is a float tensor added to the attention scores: 0 where a query may look
-at a key, a very large negative number where it may not. Shapes broadcast against the
-scores `(batch, heads, queries, keys)`:
-
-    causal   (1, 1, T, T)
-    padding  (B, 1, 1, T)   masks *keys* only
-    combined (B, 1, T, T)
-
-Why keys only: if the padding mask also blanked the *rows* of pad queries, those rows
-would have every key masked. In a hand-written attention, softmax over all -inf is 0/0
-and NaN spreads into the outputs and the gradients; current `scaled_dot_product_attention`
-returns 0 for such a row instead, so the NaN appears only with hand-written attention or
-older kernels. Masking keys only leaves every row at least one real key (right padding,
-and every sample starts with a real token), which is right with any kernel; the pad rows
-compute something harmless and the loss ignores their targets.
+The padding mask masks *keys* only: blanking a pad query's whole row would make its
+softmax 0/0, NaN in a hand-written attention. With keys only, every row keeps a real key
+(right padding, and every sample starts with a real token); the loss ignores pad rows.
 """
 
 from __future__ import annotations
@@ -26,9 +12,7 @@ import torch
 
 
 def _neg(dtype: torch.dtype) -> float:
-    # The most negative finite value, not -inf: adding two masks then clamping stays
-    # finite. (Cast to bf16 for autocast it may round to -inf; harmless, since every
-    # row keeps at least one real key.)
+    # the most negative finite value, not -inf: two masks added and clamped stay finite
     return torch.finfo(dtype).min
 
 
@@ -40,8 +24,7 @@ def create_causal_mask(seq_len: int, dtype=torch.float32, device=None) -> torch.
 
 
 def create_padding_mask(attention_mask: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-    """(B, 1, 1, T) from a (B, T) tensor with 1 for real tokens and 0 for padding.
-    Masks keys only (see the module docstring)."""
+    """(B, 1, 1, T) from a (B, T) tensor with 1 for real tokens and 0 for padding."""
     keep = attention_mask.bool()[:, None, None, :]
     mask = torch.zeros(keep.shape, dtype=dtype, device=attention_mask.device)
     return mask.masked_fill(~keep, _neg(dtype))

@@ -1,8 +1,6 @@
-"""What a run records and prints, in one place: the log line of each logged step and
-`metrics.jsonl`, the progress bar, `summary.json` with its MFU, and the throughput table
-rank 0 prints at the end. Only rank 0 writes and shows anything; the other ranks time
-their steps all the same. Below it: `timing` (phase timers, tokens/s) and `peak_flops`
-(the peak FLOP/s that MFU divides by).
+"""What a run records and prints, in one place: each logged step's line and
+`metrics.jsonl`, the progress bar, `summary.json` with its MFU, and the throughput table.
+Only rank 0 writes and shows anything; every rank times its steps.
 
     tracker = Tracker(CHAPTER, run_dir, device, total_steps, tokens_per_step, log,
                       threads=threads, args=args, dtype=dtype, ...)    # the run's facts
@@ -36,8 +34,8 @@ from .timing import PHASES, PhaseTimer, StepStats
 # ---- metrics.jsonl: one JSON object per logged step ------------------------------------
 
 def read_metrics(path) -> list[dict]:
-    """The records of a metrics.jsonl; a line that is not one JSON object (torn by a kill,
-    not UTF-8, nested too deep) is skipped: one bad line must not block a resume."""
+    """The records of a metrics.jsonl; a line that is not a JSON object (torn by a kill)
+    is skipped: one bad line must not block a resume."""
     records = []
     with open(path, "rb") as f:
         for line in f:
@@ -50,9 +48,13 @@ def read_metrics(path) -> list[dict]:
     return records
 
 
+def write_failed(path, e: OSError):
+    """A file of the run could not be written (a full disk): one line, exit status 1."""
+    fail(f"writing {path} failed ({one_line(e)}); free some space and run again", status=1)
+
+
 def busy(load: float | None, cores: int) -> bool:
-    """Other programs took CPU time: the load average went above the cores by more than
-    half a core (a run that keeps every core busy itself sits at about `cores`)."""
+    """Other programs took CPU time: the load average exceeded the cores by half a core."""
     return load is not None and load > cores + 0.5
 
 
@@ -68,8 +70,6 @@ class Tracker:
                  flops_per_token: float, extra: dict | None = None, rank: int = 0,
                  world_size: int = 1, num_devices: int | None = None, backend: str | None = None,
                  start_step: int = 0):
-        """`threads` (per process, processes here) and `args` on: the run's facts for
-        summary.json; `start_step`: a resumed run's first step."""
         self.chapter, self.run_dir, self.device, self.logger = chapter, Path(run_dir), device, log
         self.total_steps, self.tokens_per_step, self.rank = total_steps, tokens_per_step, rank
         self.facts = dict(args=args, dtype=dtype, num_params=num_params, flops_per_token=flops_per_token,
@@ -80,7 +80,7 @@ class Tracker:
         # --padded: tokens/s counts the padding; the real tokens are added up on the
         # device (no wait per step) and read at log time, when the loss is read anyway
         self.padded = bool(getattr(args, "padded", False))
-        self.window_real, self.real_measured, self.real_all = [], 0, 0
+        self.real_tokens = 0
         self.saves = []  # (MB, seconds) of each checkpoint saved
         self.first_step_start = self.first_step_s = None
         self.t_start = time.perf_counter()
@@ -101,9 +101,8 @@ class Tracker:
                 text = "".join(json.dumps(r) + "\n" for r in kept)
                 atomic_write(path, lambda f: f.write(text.encode()))
             return open(path, "a" if start_step > 0 else "w", buffering=1)
-        except OSError as e:  # a full disk, or a folder in its place: one line
-            fail(f"writing {path} failed ({one_line(e)}); free some space (or move what is there "
-                 f"aside) and run again", status=1)
+        except OSError as e:  # a full disk, or a folder in its place
+            write_failed(path, e)
 
     def phase(self, name: str):
         """`with tracker.phase("forward"):` times the block into this step's split."""
@@ -115,17 +114,17 @@ class Tracker:
         self.timer.reset()
 
     def end_step(self, real_tokens=None):
-        """`real_tokens`: the step's real target tokens in the whole global batch (an int,
-        or a tensor on the device: only added up here, never waited for)."""
+        """`real_tokens`: the step's real target tokens in the global batch (a tensor on
+        the device is only added up here, never waited for)."""
         if self.first_step_s is None:  # with --compile, the first step compiles
             self.first_step_s = time.perf_counter() - self.first_step_start
         self.stats.add(self.timer, self.tokens_per_step)  # no wait for the device here
-        real = self.tokens_per_step if real_tokens is None else real_tokens
-        self.window_real.append(real)
-        self.real_all = self.real_all + real
-        if len(self.stats.steps) > self.stats.warmup:  # the steps the headline tokens/s measures
-            self.real_measured = self.real_measured + real
+        self.real_tokens = self.real_tokens + (self.tokens_per_step if real_tokens is None else real_tokens)
         self.bar.update()
+
+    def real_share(self) -> float:
+        """The share of the tokens so far that were real text (not padding)."""
+        return float(self.real_tokens) / (self.tokens_per_step * max(1, len(self.stats.steps)))
 
     def log(self, step: int, **values):
         """One metrics line (rank 0): the values given, the window's tokens/s and this
@@ -133,32 +132,27 @@ class Tracker:
         loads = [x for x in (self.load_max, load_average()) if x is not None]
         self.load_max = max(loads) if loads else None  # the machine's load while this run trains
         window = self.stats.end_window()  # one wait for the device per window
-        counted = self.window_real[len(self.window_real) - min(window.steps, len(self.window_real)):]
-        self.window_real = []
         if not math.isfinite(values.get("loss", 0.0)):
             return self._diverged(step, values)
         if self.rank != 0:
             return
         record = {"step": step, **values, "tokens_per_s": window.tokens_per_s}
         if self.padded:
-            record["real_tokens_per_s"] = window.tokens_per_s * float(sum(counted)) / (
-                self.tokens_per_step * max(1, len(counted)))
+            record["real_tokens_per_s"] = window.tokens_per_s * self.real_share()
         record.update({f"{k}_s": v for k, v in window.phase_s.items()},
                       elapsed_s=time.perf_counter() - self.t_start)
         try:
             self.metrics.write(json.dumps(record) + "\n")
-        except OSError as e:  # the disk filled up mid-run: one line, not a traceback
+        except OSError as e:  # the disk filled up mid-run
             self.close()
-            fail(f"writing {self.run_dir / 'metrics.jsonl'} failed ({one_line(e)}); free some space "
-                 f"and run again", status=1)
+            write_failed(self.run_dir / "metrics.jsonl", e)
         self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
         real = f" ({record['real_tokens_per_s']:,.0f} real)" if self.padded else ""
         self.logger.info("step %d/%d | loss %.4f | lr %.2e | %.0f tokens/s%s", step, self.total_steps,
                          record["loss"], record["lr"], record["tokens_per_s"], real)
 
     def _diverged(self, step: int, values: dict):
-        """A non-finite loss: more steps only spread NaN. Keep what the run produced
-        (metrics up to here, a summary saying where), then stop with one line."""
+        """A non-finite loss: keep the metrics and a summary saying where, stop with one line."""
         if self.rank == 0:
             self.metrics.write(json.dumps({"step": step, **values}) + "\n")
             write_json(self.run_dir / "summary.json", {
@@ -201,22 +195,15 @@ class Tracker:
                                     tokens_per_step=self.tokens_per_step, final_loss=final_loss,
                                     val_loss=val_loss, wall_time_s=time.perf_counter() - self.t_start,
                                     load_max=self.load_max, first_step_s=self.first_step_s,
-                                    saves=self.saves, real_tokens=self._real_tokens(), **self.facts)
+                                    saves=self.saves, **self.facts,
+                                    real_share=self.real_share() if self.padded else None)
         try:
             write_json(self.run_dir / "summary.json", summary)
-        except OSError as e:  # a full disk: one line, not a traceback
-            fail(f"writing {self.run_dir / 'summary.json'} failed ({one_line(e)}); free some space "
-                 f"and run again", status=1)
+        except OSError as e:  # a full disk
+            write_failed(self.run_dir / "summary.json", e)
         print(f"\n{throughput_table(summary) if self.stats.steps else summary['notes'][0]}"
               f"\n\noutputs in {self.run_dir}", flush=True)
         return summary
-
-    def _real_tokens(self) -> tuple[float, int] | None:
-        """--padded: (real tokens, steps) over the measured steps (all if none are)."""
-        if not self.padded:
-            return None
-        measured = len(self.stats.steps) - self.stats.warmup
-        return (float(self.real_measured), measured) if measured > 0 else (float(self.real_all), len(self.stats.steps))
 
     def _untimed_summary(self, val_loss: float | None) -> dict:
         logged = [r for r in read_metrics(self.run_dir / "metrics.jsonl") if "loss" in r]
@@ -234,9 +221,9 @@ def build_summary(*, chapter: str, args, world_size: int, device, dtype: str, nu
                   final_loss: float | None, val_loss: float | None, wall_time_s: float,
                   num_devices: int = 1, backend: str | None = None, extra: dict | None = None,
                   threads: tuple[int, int] = (0, 0), load_max: float | None = None,
-                  first_step_s: float | None = None, saves=(), real_tokens=None, peak=None) -> dict:
-    """Everything summary.json holds. MFU: the model's FLOP/s per device over `peak` (a
-    `peak_flops.Peak`; default the device's: its datasheet's, else measured here)."""
+                  first_step_s: float | None = None, saves=(), real_share=None, peak=None) -> dict:
+    """Everything summary.json holds. MFU: the model's FLOP/s per device over `peak`
+    (default the device's). `real_share`: --padded, the share of real tokens."""
     tps = stats.tokens_per_s()
     per_device = tps / max(1, num_devices)
     peak = peak or device_peak(device, dtype)
@@ -245,8 +232,7 @@ def build_summary(*, chapter: str, args, world_size: int, device, dtype: str, nu
          "world_size": world_size, "num_devices": num_devices, "backend": backend,
          "device": torch.device(device).type, "device_name": device_name(device), "dtype": dtype,
          "preset": args.model_preset, "num_params": num_params, "seq_length": args.seq_length,
-         "batch_size": args.batch_size, "tokens_per_step": tokens_per_step,
-         "steps": len(stats.steps), "measured_steps": len(stats.measured()),
+         "batch_size": args.batch_size, "tokens_per_step": tokens_per_step, "steps": len(stats.steps),
          "tokens_per_s": tps, "tokens_per_s_per_device": per_device,
          "step_wall_s": stats.wall_time_per_step(), "step_time_s": stats.mean_phase_times(),
          "peak_memory_mb": peak_mb, "peak_memory_kind": peak_kind,
@@ -256,15 +242,14 @@ def build_summary(*, chapter: str, args, world_size: int, device, dtype: str, nu
          "final_loss": final_loss, "val_loss": val_loss, "wall_time_s": wall_time_s,
          "torch_version": torch.__version__, "args": dict(vars(args)),
          "threads_per_process": threads[0], "processes_per_machine": threads[1],
-         "cpu_cores": os.cpu_count(), "load_avg_max": load_max, "first_step_s": first_step_s,
+         "cpu_cores": os.cpu_count(), "load_avg_max": load_max,
          "compiled": bool(getattr(args, "compile", False)),
          "activation_checkpointing": bool(getattr(args, "activation_checkpointing", False)),
          "deterministic": torch.are_deterministic_algorithms_enabled(), **(extra or {})}
     notes = []
     if s["mfu"] > 1.0:  # a peak measured while other work loaded the device is too low
-        notes.append(f"MFU over 100%: the {peak.source} peak ({format_flops(peak.flops)}) is too low"
-                     + (" (measured while the machine was busy?): measure it again with "
-                        "`python -m tools.peak --remeasure`" if peak.source == "measured" else ""))
+        notes.append(f"MFU over 100%: the {peak.label()} is too low" + (
+            "; measure it again: `python -m tools.peak --remeasure`" if peak.source == "measured" else ""))
     if torch.device(device).type == "cuda" and num_devices > 1 and world_size == 1:  # DataParallel
         s["peak_memory_per_device_mb"] = [torch.cuda.max_memory_allocated(i) / 2**20
                                           for i in range(torch.cuda.device_count())]
@@ -274,9 +259,8 @@ def build_summary(*, chapter: str, args, world_size: int, device, dtype: str, nu
         size_mb, save_s = saves[-1][0], sum(t for _, t in saves) / len(saves)
         s["checkpoint"] = {"count": len(saves), "size_mb": size_mb, "save_s": save_s,
                            "save_mb_per_s": size_mb / save_s}
-    if real_tokens:  # what the padding costs: the tokens/s that were real text
-        real, steps = real_tokens
-        s["real_tokens_per_s"] = tps * real / (tokens_per_step * steps) if steps else tps
+    if real_share is not None:  # what the padding costs: the tokens/s that were real text
+        s["real_tokens_per_s"] = tps * real_share
     if busy(load_max, s["cpu_cores"]):
         notes.append(f"the machine was busy (load average up to {load_max:.1f} on {s['cpu_cores']} "
                      f"cores): other programs took CPU time from this run")
@@ -291,25 +275,15 @@ def _fmt(v, digits=1):
     return f"{v:,.{digits}f}" if isinstance(v, float) else f"{v:,}" if isinstance(v, int) else str(v)
 
 
-def mfu_text(s: dict) -> str:
-    """'23.4% of 95.3 GFLOP/s (measured fp32 matmul peak)', from a summary."""
-    if s.get("mfu") is None:
-        return "n/a (no peak FLOP/s)"
-    return (f"{100 * s['mfu']:.1f}% of {format_flops(s['peak_flops'])} "
-            f"({s['peak_source']} {s['peak_precision']} matmul peak)")
-
-
 def throughput_rows(s: dict) -> list[tuple[str, str]]:
     """The rows every chapter prints; optional keys add rows when present."""
     st = s["step_time_s"]
     total = st.get("total") or 1.0
-    rows = [("chapter", s["chapter"]),
-            ("launcher / world size", f"{s['launcher']} / {s['world_size']}"
+    rows = [("chapter", s["chapter"]), ("launcher / world size", f"{s['launcher']} / {s['world_size']}"
              + (f" ({s['backend']})" if s.get("backend") else "")),
             ("device", f"{s['device_name']} x {s['num_devices']}"),
             ("dtype / preset / params", f"{s['dtype']} / {s['preset']} / {s['num_params'] / 1e6:.2f} M"),
-            ("tokens per step", _fmt(s["tokens_per_step"])),
-            ("tokens/s total", _fmt(s["tokens_per_s"]))]
+            ("tokens per step", _fmt(s["tokens_per_step"])), ("tokens/s total", _fmt(s["tokens_per_s"]))]
     if s.get("real_tokens_per_s") is not None:
         rows.append(("tokens/s real (no padding)", _fmt(s["real_tokens_per_s"])))
     rows += [("tokens/s per device", _fmt(s["tokens_per_s_per_device"])),
@@ -324,7 +298,8 @@ def throughput_rows(s: dict) -> list[tuple[str, str]]:
                      + (" (busy: not comparable)" if busy(s["load_avg_max"], s["cpu_cores"]) else "")))
     rows.append(("peak memory", f"{s['peak_memory_mb']:,.0f} MB ({s['peak_memory_kind']})"))
     rows += [(f"  device {i}", f"{mb:,.0f} MB") for i, mb in enumerate(s.get("peak_memory_per_device_mb") or [])]
-    rows += [("model FLOP/s per device", format_flops(s["model_flops_per_s"])), ("MFU", mfu_text(s))]
+    mfu = f"{100 * s['mfu']:.1f}% of {format_flops(s['peak_flops'])} ({s['peak_source']} {s['peak_precision']} matmul peak)"
+    rows += [("model FLOP/s per device", format_flops(s["model_flops_per_s"])), ("MFU", mfu)]
     if s.get("compiled"):
         rows.append(("torch.compile", f"yes: about {s.get('compile_s') or 0:,.1f} s to compile "
                      f"(the first step; not in tokens/s)"))

@@ -1,11 +1,6 @@
-"""The Llama model every chapter trains, and the FLOPs it computes per token.
-
-Standard Llama architecture: RMSNorm before each block, rotary position embeddings
-(rotate-half convention), grouped-query attention through
-`F.scaled_dot_product_attention`, SwiGLU MLP, untied LM head. Parameter names map
-one-to-one onto the usual Llama state-dict layout (`embed_tokens`,
-`layers.N.self_attn.q_proj`, ..., `norm`, `lm_head`).
-"""
+"""The Llama model every chapter trains, and the FLOPs it computes per token: RMSNorm
+before each block, rotary embeddings (rotate-half), grouped-query attention through
+`F.scaled_dot_product_attention`, SwiGLU MLP, untied head; Llama's parameter names."""
 
 from __future__ import annotations
 
@@ -32,19 +27,10 @@ class LlamaConfig:
 
     def __post_init__(self):
         if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"num_attention_heads={self.num_attention_heads} does not divide "
-                f"hidden_size={self.hidden_size}")
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} does not divide hidden_size={self.hidden_size}")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_key_value_heads={self.num_key_value_heads} does not divide "
-                f"num_attention_heads={self.num_attention_heads}")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
-        for name in ("vocab_size", "max_position_embeddings", "hidden_size",
-                     "intermediate_size", "num_hidden_layers"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be positive")
+            raise ValueError(f"num_key_value_heads={self.num_key_value_heads} does not divide "
+                             f"num_attention_heads={self.num_attention_heads}")
 
     @property
     def head_dim(self) -> int:
@@ -70,8 +56,7 @@ PRESETS: dict[str, dict] = {
                    num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=2048),
     # about one billion parameters (TinyLlama-like shape)
     "large": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
-                  num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048),
-}
+                  num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048), }
 
 
 def get_config(preset: str, vocab_size: int, **overrides) -> LlamaConfig:
@@ -127,11 +112,9 @@ def apply_rotary(x, cos, sin):
 
 
 def shares_kv_heads(device_type: str, dtype: torch.dtype, masked: bool) -> bool:
-    """Whether attention passes its grouped K/V heads to SDPA as they are (enable_gqa).
-    On CUDA only the flash kernel takes grouped heads, and it takes no mask and no fp32:
-    there a mask or fp32 would fall back to the math kernel, which keeps every B x H x T
-    x T score, so K and V are repeated per query head for the memory-efficient kernel.
-    On the CPU the fused kernel takes grouped heads, masks and fp32 alike."""
+    """Whether attention passes grouped K/V heads to SDPA as they are (enable_gqa). On
+    CUDA only the flash kernel takes them, with no mask and no fp32; otherwise the math
+    kernel would keep every B x H x T x T score. The CPU's fused kernel takes all."""
     if device_type != "cuda":
         return True
     return not masked and dtype in (torch.float16, torch.bfloat16)
@@ -155,15 +138,13 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        # Padded data brings an additive mask (causal + padding keys, see masks.py); packed
-        # data none: is_causal then takes a fused kernel's causal path (flash in bf16 on CUDA,
-        # the memory-efficient kernel in fp32 on CUDA, the fused C++ kernel on the CPU).
+        # padded data brings an additive mask (masks.py); packed data none: is_causal then
+        # takes a fused kernel's causal path
         mask = None if attn_mask is None else attn_mask.to(q.dtype)
         # Grouped-query attention: each KV head serves n_heads / n_kv_heads query heads.
         gqa = self.n_kv_heads != self.n_heads
         if gqa and not shares_kv_heads(q.device.type, q.dtype, masked=mask is not None):
-            # repeated per query head, K and V suit the memory-efficient kernel (B x H x T x
-            # head_dim more memory, not the B x H x T x T scores of the math fallback)
+            # repeated per query head, K and V suit the memory-efficient kernel
             groups = self.n_heads // self.n_kv_heads
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
             gqa = False
@@ -199,9 +180,8 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """`activation_checkpointing`: keep only each decoder layer's input for backward and
-    run the layer's forward again there (torch.utils.checkpoint): the same gradients,
-    one more forward of the layers, far less activation memory."""
+    """`activation_checkpointing`: keep only each layer's input and run its forward again
+    in backward: the same gradients, far less activation memory."""
 
     def __init__(self, config: LlamaConfig, activation_checkpointing: bool = False):
         super().__init__()
@@ -211,8 +191,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
-                                      config.rope_theta)
+        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -242,15 +221,13 @@ class LlamaForCausalLM(nn.Module):
                 x = checkpoint(layer, x, cos, sin, attn_mask, use_reentrant=False)
             else:
                 x = layer(x, cos, sin, attn_mask)
-        # fp32 logits (fp64 stays fp64), whatever autocast does: the loss's log-softmax then
-        # runs in fp32 on every device (CUDA's autocast would run it on the bf16 logits).
+        # fp32 logits (fp64 stays fp64) whatever autocast does: the loss runs in fp32
         logits = self.lm_head(self.norm(x))
         return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
     @torch.no_grad()
     def generate(self, input_ids, max_new_tokens: int, temperature: float = 0.8,
-                 top_k: int | None = 50, generator: torch.Generator | None = None,
-                 eos_id: int | None = None):
+                 top_k: int | None = 50, generator: torch.Generator | None = None, eos_id: int | None = None):
         """Plain sampling, no KV cache: enough for a sample at the end of training."""
         for _ in range(max_new_tokens):
             ctx = input_ids[:, -self.config.max_position_embeddings:]
@@ -265,11 +242,8 @@ class LlamaForCausalLM(nn.Module):
         return input_ids
 
 
-def num_parameters(model: nn.Module, exclude_embeddings: bool = False) -> int:
-    n = sum(p.numel() for p in model.parameters())
-    if exclude_embeddings:
-        n -= model.embed_tokens.weight.numel()
-    return n
+def num_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
 
 
 def non_matmul_params(config: LlamaConfig) -> int:
@@ -279,16 +253,13 @@ def non_matmul_params(config: LlamaConfig) -> int:
 
 
 def flops_per_token(config: LlamaConfig, num_params: int, seq_len: int) -> float:
-    """Training FLOPs per token (`num_params`: the model's full count). Each weight that
-    multiplies an activation costs 2 FLOPs forward and 4 backward: 6 per matmul weight,
-    `lm_head` included, the embedding lookup and norm gains not. Attention adds
-    12·L·H·Q·T (scores and values, forward and backward; L layers, H query heads, Q head
-    dim, T sequence), counting the full T×T scores as PaLM and nanoGPT do."""
+    """Training FLOPs per token: 6 per matmul weight (2 forward, 4 backward; not the
+    embedding nor the norm gains), plus attention's full T×T scores as PaLM counts them."""
     return 6 * (num_params - non_matmul_params(config)) + attention_flops_per_token(config, seq_len)
 
 
 def attention_flops_per_token(config: LlamaConfig, seq_len: int) -> float:
-    """`flops_per_token`'s attention term: 12·L·H·Q·T (scores and values, for training)."""
+    """12·L·H·Q·T: scores and values, forward and backward (L layers, H heads, Q head dim)."""
     return 12 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * seq_len
 
 

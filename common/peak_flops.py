@@ -1,12 +1,6 @@
-"""The peak FLOP/s that MFU is measured against, on every device.
-
-Where the device's datasheet is known (a few NVIDIA data-centre GPUs), its dense peak
-for the matmul precision in use; otherwise a measured one: the best FLOP/s of a short
-sweep of square matmuls in that precision, with the threads this process uses. A
-measurement is cached in the guide's cache folder, keyed by device, precision, torch
-version and (on CPU) thread count, so it runs once per machine and setup
-(`python -m tools.peak` shows it, or measures it again).
-"""
+"""The peak FLOP/s that MFU is measured against: a known GPU's datasheet figure for the
+matmul precision in use, else the best of a short sweep of square matmuls, measured once
+per machine and setup, then cached (`python -m tools.peak` shows or remeasures it)."""
 
 from __future__ import annotations
 
@@ -24,10 +18,8 @@ from .environment import device_name, set_tf32, tf32_enabled
 from .files import read_json, write_json
 from .tables import format_flops
 
-# Dense (no structured sparsity) tensor-core peaks in TFLOP/s from NVIDIA's datasheets,
-# which print the sparse figure (twice the dense one) for bf16 and tf32. "fp32" is the
-# plain (non-tensor-core) fp32 rate. The first pattern that matches the device name wins,
-# so the NVL parts come before the plain names they contain.
+# Dense tensor-core peaks in TFLOP/s from NVIDIA's datasheets (which print the sparse
+# figure, twice as high); "fp32" without tensor cores. The first pattern that matches wins.
 DATASHEET_TFLOPS: list[tuple[str, dict[str, float]]] = [
     (r"\bB200\b", {"bf16": 2250.0, "tf32": 1125.0, "fp32": 75.0}),     # HGX B200, per GPU
     (r"\bGH200\b", {"bf16": 989.0, "tf32": 494.5, "fp32": 67.0}),     # its Hopper GPU
@@ -60,8 +52,7 @@ class Peak:
 
 
 def matmul_precision(device: torch.device | str, dtype: str) -> str:
-    """What a run's matmuls compute in: bf16 under bf16 autocast; for fp32 on CUDA,
-    tf32 when PyTorch is allowed to use it (the chapters allow it), else fp32."""
+    """What a run's matmuls compute in: bf16 under autocast; fp32 on CUDA may be tf32."""
     if dtype == "bf16":
         return "bf16"
     if torch.device(device).type == "cuda" and tf32_enabled():
@@ -70,9 +61,8 @@ def matmul_precision(device: torch.device | str, dtype: str) -> str:
 
 
 def datasheet_peak(name: str, precision: str) -> float | None:
-    """The datasheet's dense peak FLOP/s of a known device, else None. A MIG slice (its
-    name carries "MIG 1g.10gb", say) has a fraction of the GPU's compute units, not the
-    whole GPU's datasheet figure: None, so its peak is measured."""
+    """The datasheet's dense peak FLOP/s of a known device, else None (also for a MIG
+    slice: it has a fraction of the GPU, so its peak is measured)."""
     if re.search(r"\bMIG\b", name):
         return None
     for pattern, tflops in DATASHEET_TFLOPS:
@@ -88,8 +78,7 @@ def sync(device: torch.device):
 
 def best_matmul_flops(n: int, device: torch.device, precision: str, reps: int = 5,
                       budget_s: float = 0.6) -> float:
-    """Best FLOP/s of an n×n by n×n matmul: one untimed warm-up, then up to `reps`
-    timed ones, stopping early once `budget_s` is spent."""
+    """Best FLOP/s of an n×n matmul: a warm-up, then up to `reps` timed ones within `budget_s`."""
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     g = torch.Generator(device).manual_seed(0)
     a = torch.randn(n, n, device=device, dtype=dtype, generator=g)
@@ -110,14 +99,11 @@ def best_matmul_flops(n: int, device: torch.device, precision: str, reps: int = 
 
 
 def measure_matmul_peak(device: torch.device | str, precision: str) -> float:
-    """The device's dense matmul peak in `precision`, measured: the best over a few
-    sizes (small ones fit caches, large ones amortise overheads; the best wins)."""
+    """The best FLOP/s over a few sizes (small ones fit caches, large ones amortise overheads)."""
     device = torch.device(device)
     sizes = (1024, 2048, 4096, 8192) if device.type == "cuda" else (128, 256, 512, 1024, 2048)
     if device.type != "cuda":
-        # From small sizes up, while one matmul takes under a second: a CPU without bf16
-        # instructions emulates them, fastest on small matrices (3.1 GFLOP/s at 128, 0.5 at
-        # 1024 on an AVX2 CPU), where 2048 would take minutes, not a second.
+        # up while one matmul takes under a second: a CPU may emulate bf16, slowly
         best = 0.0
         for n in sizes:
             flops = best_matmul_flops(n, device, precision)
@@ -134,8 +120,7 @@ def measure_matmul_peak(device: torch.device | str, precision: str) -> float:
 
 
 def cache_key(name: str, precision: str, device_type: str) -> str:
-    """Device, precision, torch version, and on a CPU the thread count: with several
-    processes per machine (torchrun) each has fewer threads, so a lower peak."""
+    """Device, precision, torch version; on a CPU the thread count (fewer, a lower peak)."""
     key = f"{name} | {precision} | torch {torch.__version__}"
     return key + (f" | {torch.get_num_threads()} threads" if device_type == "cpu" else "")
 
@@ -146,11 +131,10 @@ def cache_path(cache_dir=None) -> Path:
 
 def measured_peak(device, precision: str, *, remeasure: bool = False, cache_dir=None) -> float:
     """This machine's peak in `precision`: from the cache, or measured now (and whenever
-    `remeasure`) and cached. A measurement taken while other work loaded the machine is
-    too low: `python -m tools.peak --remeasure` on an idle machine replaces it."""
+    `remeasure`) and cached."""
     device = torch.device(device)
     path, key = cache_path(cache_dir), cache_key(device_name(device), precision, device.type)
-    cache = read_json(path) if path.is_file() else None
+    cache = read_json(path)
     cache = cache if isinstance(cache, dict) else {}  # absent, torn or not this cache: measure
     record = cache.get(key)
     flops = record.get("flops") if isinstance(record, dict) else None
@@ -159,12 +143,10 @@ def measured_peak(device, precision: str, *, remeasure: bool = False, cache_dir=
     flops = measure_matmul_peak(device, precision)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        cache = read_json(path) if path.is_file() else None  # another process may have added a key
-        write_json(path, {**(cache if isinstance(cache, dict) else {}),
-                          key: {"flops": flops, "measured": time.strftime("%Y-%m-%d %H:%M:%S")}})
+        write_json(path, {**cache, key: {"flops": flops, "measured": time.strftime("%Y-%m-%d %H:%M:%S")}})
     except OSError as e:  # a read-only or full cache: the run's summary matters more
-        print(f"warning: the measured matmul peak could not be cached in {path} "
-              f"({e.strerror or e}); it is measured again next time", file=sys.stderr, flush=True)
+        print(f"warning: the matmul peak could not be cached in {path} ({e.strerror or e}); "
+              f"it is measured again next time", file=sys.stderr, flush=True)
     return flops
 
 

@@ -1,15 +1,7 @@
-"""The run folder: one owner at a time, never overwritten, never deleted.
-
-- `claim_run_folder`: rank 0 creates the folder and holds an exclusive lock on it for as
-  long as its process lives (`.owner` says who). The kernel drops the lock when the
-  process ends, however it ends, so a killed job never leaves the folder stuck; a second
-  job with the same --experiment-name stops with one line naming the owner. Where the
-  file system has no such lock (some NFS and Lustre mounts), `.owner` itself is the lock:
-  created only if absent, removed at exit; one a killed job left is named in the refusal.
-- `archive_run`: a previous run's files moved into `archive-<time>/` (chapter 04's --fresh).
-- `save_weights`: the run's final `model.pt`, whole or absent, its failure heard by every rank.
-- `outputs_complete`, `holds_results`: what a finished run left, what a folder holds.
-"""
+"""The run folder: one owner at a time, never overwritten, never deleted; and the run's
+final weights. Rank 0 holds a flock on the folder while its process lives (the kernel
+drops it however the process ends); where the file system has none (some NFS mounts),
+`.owner`, created only if absent, is the lock."""
 
 from __future__ import annotations
 
@@ -35,8 +27,7 @@ _held = []  # open folder descriptors (their locks), or lock files: until the pr
 def claim_run_folder(run_dir: Path, *, rank: int = 0, resumes: bool = False,
                      flag: str = "--experiment-name") -> Path:
     """Create and lock `run_dir` (rank 0); every rank hears a refusal and stops with it.
-    Unless `resumes`, a folder holding results is refused, as at parse time: checked again
-    under the lock, where no other job can race it. A refusal names `flag` to change."""
+    Unless `resumes`, a folder holding results is refused (checked again under the lock)."""
     error = None
     if rank == 0:
         try:
@@ -110,9 +101,8 @@ def release_run_folders():
 
 
 def _not_in_forked_children():
-    """A forked child (a DataLoader worker) closes its copy of the lock's descriptor: a
-    worker outliving its killed trainer by seconds would otherwise keep the folder locked
-    and refuse a rerun. The trainer's lock stays (it belongs to the file it holds open)."""
+    """A forked DataLoader worker closes its copy of the lock: one outliving its killed
+    trainer would keep the folder locked against a rerun."""
     for held in [h for h in _held if isinstance(h, int)]:
         os.close(held)
         _held.remove(held)
@@ -122,8 +112,7 @@ os.register_at_fork(after_in_child=_not_in_forked_children)
 
 
 def holds_results(run_dir: Path) -> bool:
-    """Whether `run_dir` holds anything a run made: its lock file and empty files (the
-    metrics of a run stopped before its first logged step) do not count."""
+    """Whether `run_dir` holds anything a run made (not its lock file nor empty files)."""
     return run_dir.is_dir() and any(
         p.name != OWNER_FILE and not (p.is_file() and p.stat().st_size == 0) for p in run_dir.iterdir())
 
@@ -136,8 +125,8 @@ def outputs_complete(run_dir: Path) -> bool:
 
 
 def archive_run(run_dir: Path, keep: str | None = None) -> Path | None:
-    """Move everything but earlier archives (and names matching the glob `keep`) into a
-    new `archive-<time>` folder inside `run_dir`; returns it (None if nothing moved)."""
+    """Move everything but earlier archives (and the glob `keep`) into a new
+    `archive-<time>` folder inside `run_dir`; returns it (None if nothing moved)."""
     items = [p for p in Path(run_dir).iterdir()
              if not p.name.startswith("archive-") and p.name != OWNER_FILE and not (keep and p.match(keep))]
     if not items:
@@ -153,9 +142,8 @@ def archive_run(run_dir: Path, keep: str | None = None) -> Path | None:
 
 
 def save_weights(path: Path, model: torch.nn.Module, *, writer: bool = True) -> None:
-    """The run's final weights (`model.state_dict()`), written by `writer` (rank 0) whole or
-    not at all. A failed write (a full disk) stops every rank with one line (a collective
-    under a process group)."""
+    """The run's final `state_dict`, written by `writer` whole or not at all; a failed
+    write stops every rank with one line (a collective)."""
     path = Path(path)
 
     def explain(e) -> str | None:

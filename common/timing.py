@@ -1,13 +1,8 @@
-"""How long each phase of a step takes, and the run's tokens/s (`common.metrics` reads it).
-
-- `PhaseTimer`: how long data / forward / backward / update take in each step. It never
-  waits for the device at a phase boundary: on CUDA each boundary records an event in the
-  stream, and the events are read once per logging window.
-- `StepStats`: the steps and logging windows of a run. The headline tokens/s is the wall
-  time of whole windows; the phase split is an estimate (on a GPU, device time between
-  boundaries, which overlaps the host's work). Both leave out the first `warmup` steps:
-  allocator growth, kernel selection and caches make them unrepresentative.
-"""
+"""Phase timers and the run's tokens/s, without waiting for the device at each phase:
+on CUDA a boundary records an event, and the events are read once per logging window.
+Tokens/s is the wall time of whole windows; the phase split is an estimate (device time
+between boundaries). Both leave out the first `warmup` steps (allocator growth, kernel
+selection)."""
 
 from __future__ import annotations
 
@@ -106,10 +101,8 @@ class Window:
 
 
 class StepStats:
-    """Per-step phase times and token counts, and the logging windows' wall times.
-    `add(timer, tokens)` keeps a step's marks unread until `end_window()` reads them all
-    with one wait; `add(times, tokens)` takes phase seconds already read (no windows:
-    tokens/s is then the sum of the phase times)."""
+    """The run's steps (phase times, tokens) and logging windows. A step's marks stay
+    unread until `end_window()` reads them all with one wait for the device."""
 
     def __init__(self, warmup: int = 2):
         self.warmup = warmup
@@ -119,14 +112,11 @@ class StepStats:
         self.unread: list[tuple[dict, list]] = []     # (times to fill in, marks)
         self.window_first = 0
 
-    def add(self, timer_or_times, tokens: int):
-        if isinstance(timer_or_times, PhaseTimer):
-            self.timer, times = timer_or_times, {}
-            self.unread.append((times, timer_or_times.marks))
-        else:
-            times = dict(timer_or_times)
+    def add(self, timer: PhaseTimer, tokens: int):
+        self.timer, times = timer, {}
+        self.unread.append((times, timer.marks))
         self.steps.append((times, tokens))
-        if self.timer is not None and len(self.steps) == self.warmup:
+        if len(self.steps) == self.warmup:
             self.end_window()  # one extra wait: no window mixes warm-up and measured steps
 
     def read_times(self, synced: bool = False):
@@ -138,19 +128,16 @@ class StepStats:
             self.unread = []
 
     def end_window(self) -> Window:
-        """Close the window of the steps added since the last call (at every logged step
-        and after the last step): its wall time and mean phase times."""
+        """Close the window of the steps added since the last call: its wall time and
+        mean phase times."""
         steps = self.steps[self.window_first:]
-        if not steps and self.windows:
-            return self.windows[-1][1]  # closed already, at the end of the warm-up
-        if self.timer is None:
-            return Window(len(steps), sum(n for _, n in steps),
-                          sum(sum(t.values()) for t, _ in steps), mean_times(steps))
+        if not steps:
+            # closed already at the end of the warm-up, or no step at all
+            return self.windows[-1][1] if self.windows else Window(0, 0, 0.0, mean_times(steps))
         wall = self.timer.end_window()
         self.read_times(synced=True)
         window = Window(len(steps), sum(n for _, n in steps), wall, mean_times(steps))
-        if steps:
-            self.windows.append((self.window_first, window))
+        self.windows.append((self.window_first, window))
         self.window_first = len(self.steps)
         return window
 
@@ -171,16 +158,12 @@ class StepStats:
     def wall_time_per_step(self) -> float:
         windows = self.measured_windows()
         steps = sum(w.steps for w in windows)
-        return sum(w.wall_s for w in windows) / steps if steps else self.mean_phase_times()["total"]
+        return sum(w.wall_s for w in windows) / steps if steps else 0.0
 
     def tokens_per_s(self) -> float:
         windows = self.measured_windows()
-        if windows:
-            wall = sum(w.wall_s for w in windows)
-            return sum(w.tokens for w in windows) / wall if wall > 0 else 0.0
-        steps = self.measured()
-        total_time = sum(sum(t.values()) for t, _ in steps)
-        return sum(n for _, n in steps) / total_time if total_time > 0 else 0.0
+        wall = sum(w.wall_s for w in windows)
+        return sum(w.tokens for w in windows) / wall if wall > 0 else 0.0
 
 
 def mean_times(steps) -> dict[str, float]:

@@ -1,12 +1,5 @@
 """The parts of a training run every chapter shares unchanged (chapter 01's README walks
-through each): the optimizer, the learning-rate schedule, validation and a text sample.
-
-- `build_optimizer`: AdamW, no weight decay on norm weights, fused on CUDA.
-- `lr_lambda`: linear warmup, then cosine decay, for `LambdaLR`.
-- `evaluate`: the mean validation loss per token; under torchrun each rank evaluates its
-  own shard and the sums are all-reduced.
-- `sample`: a few seeded tokens the model writes.
-"""
+through each): the optimizer, the learning-rate schedule, validation and a text sample."""
 
 from __future__ import annotations
 
@@ -22,10 +15,8 @@ from .masks import build_attention_mask
 
 
 def build_optimizer(model, lr: float, weight_decay: float, device) -> torch.optim.AdamW:
-    """AdamW with betas (0.9, 0.95); the 1-D norm weights get no weight decay. On CUDA,
-    fused AdamW: the whole update in a few kernels instead of several per parameter.
-    On a CPU (where torch has a fused AdamW too) the default: the update is a small
-    share of a CPU step, and every CPU figure of the READMEs was made with it."""
+    """AdamW with betas (0.9, 0.95), no weight decay on the 1-D norm weights; fused on
+    CUDA (a few kernels for the whole update; on a CPU the update costs little)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
@@ -46,10 +37,8 @@ def lr_lambda(warmup_steps: int, total_steps: int, min_ratio: float = 0.1):
 
 @torch.no_grad()
 def evaluate(model, loader, data, device, autocast, max_batches: int):
-    """(mean loss per target token, batches evaluated) over at most max_batches of the
-    loader's batches (a small validation set may hold fewer); `data` (a `common.data.Data`)
-    says whether they are padded. Under a process group every rank evaluates its own
-    loader and the token-weighted sums are added up (a collective)."""
+    """(mean loss per target token, batches evaluated) over at most max_batches; under a
+    process group each rank evaluates its own loader and the sums are all-reduced."""
     model.eval()
     total, count, batches = 0.0, 0, 0
     for x, y in itertools.islice(loader, max_batches):
@@ -69,8 +58,7 @@ def evaluate(model, loader, data, device, autocast, max_batches: int):
 
 
 @torch.no_grad()
-def sample(model, data, device, autocast, seed: int, prompt: str = "def ",
-           max_new_tokens: int = 48) -> str:
+def sample(model, data, device, autocast, seed: int, prompt: str = "def ", max_new_tokens: int = 48) -> str:
     """What the model writes after `prompt` (seeded: the same text in every run); a padded
     model's documents start with the BOT token."""
     ids = ([] if data.packed else [data.bot_id]) + data.tokenizer.encode(prompt).ids

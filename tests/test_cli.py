@@ -18,11 +18,11 @@ import pytest
 import torch
 from torch.distributed import DistError
 
-from common.cli import base_parser, check_args, checkpoint_folder
+from common.cli import base_parser, check_args
 from common.demos import script_parser
 from common.distributed import BACKEND_ENV, backend_for, gpu_sharing_error
 from common.errors import UsageError, fail, run_main
-from conftest import REPO, TINY, load_script, python_cmd, refused, start, torchrun_cmd
+from conftest import REPO, TINY, chapter_module, load_script, python_cmd, refused, start, torchrun_cmd
 from warm import children, kill_launch
 
 
@@ -510,6 +510,7 @@ def test_resume_from_is_checked_where_and_when_it_is_read(tmp_path, monkeypatch,
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     missing = str(tmp_path / "step-00000003")
+    checkpoint_folder = chapter_module("04-checkpointing", "checkpoint").checkpoint_folder
     if refused:
         with pytest.raises(argparse.ArgumentTypeError, match="is not a checkpoint folder"):
             checkpoint_folder(missing)

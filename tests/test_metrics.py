@@ -56,9 +56,19 @@ class FakeDeviceClock:
 
 
 def stats_of(steps: list[tuple[float, float, float, float]], tokens: int, warmup: int = 2):
-    s = StepStats(warmup=warmup)
-    for times in steps:
-        s.add(dict(zip(PHASES, times)), tokens)
+    """StepStats of steps whose phases took these seconds on a fake clock, each step
+    logged (a window of its own, as long as its phases)."""
+    now = [0.0]
+    timer, s = PhaseTimer("cpu"), StepStats(warmup=warmup)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(timing.time, "perf_counter", lambda: now[0])
+        for times in steps:
+            timer.reset()
+            for name, t in zip(PHASES, times):
+                with timer.phase(name):
+                    now[0] += t
+            s.add(timer, tokens)
+            s.end_window()
     return s
 
 

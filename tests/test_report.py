@@ -18,8 +18,9 @@ import pytest
 from tools import report
 from common.files import write_json
 from common.metrics import build_summary
-from common.timing import StepStats
+from common.timing import PHASES
 from conftest import run
+from test_metrics import stats_of
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 H100 = "NVIDIA H100 80GB HBM3"
@@ -33,9 +34,7 @@ def fake_run(run_dir: Path, chapter: str, *, world: int, phases: dict, tokens: i
     run_dir.mkdir(parents=True)
     args = argparse.Namespace(experiment_name=run_dir.name, model_preset="tiny",
                               seq_length=64, batch_size=4)
-    stats = StepStats(warmup=0)
-    for _ in range(5):
-        stats.add(phases, tokens)
+    stats = stats_of([tuple(phases[p] for p in PHASES)] * 5, tokens, warmup=0)
     s = build_summary(chapter=chapter, args=args, world_size=world, device="cpu",
                       dtype="fp32", num_params=123_456, flops_per_token=1e6, stats=stats,
                       tokens_per_step=tokens, final_loss=final_loss, val_loss=final_loss + 0.1,

@@ -19,7 +19,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import profile
 
-from common.environment import profiler_activities
+from common.demos import profiler_activities
 from common.tables import format_flops, markdown_table
 
 OPTIMIZER = "optimizer"  # the record_function range around clipping, step and zero_grad
