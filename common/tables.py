@@ -16,7 +16,7 @@ def markdown_table(header, rows, right=()) -> str:
     """A Markdown table padded for reading in a terminal. Columns whose index is in
     `right` (numbers) are right-aligned, with Markdown's `:` marker; the rest left."""
     rows = [[str(c) for c in row] for row in rows]
-    widths = [max([len(h)] + [len(row[i]) for row in rows]) for i, h in enumerate(header)]
+    widths = [max([3, len(h)] + [len(row[i]) for row in rows]) for i, h in enumerate(header)]  # `--:` at least
 
     def line(cells):
         return "| " + " | ".join(c.rjust(w) if i in right else c.ljust(w)
