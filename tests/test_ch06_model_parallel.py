@@ -8,10 +8,16 @@ byte what each rank of a tensor- or pipeline-parallel layout holds and all-reduc
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+
 import pytest
 import torch
 
-from conftest import CH01_STEPS, NO_GPU, REPO, TINY, load_script, read_json, read_jsonl, refused, run, torchrun_cmd
+from conftest import CH01_STEPS, NO_GPU, REPO, TINY, free_port, load_script, read_json, read_jsonl, refused, run, torchrun_cmd
 from common.model import LlamaConfig
 from tools import plan
 
@@ -278,3 +284,45 @@ def test_the_planner_says_what_each_rank_holds_and_all_reduces_to_the_byte(measu
     assert t["layer_bytes"] == 4 * tokens * config.hidden_size * 4  # 4 all-reduces of B x T x h, fp32
     table = (measured / "tables.md").read_text()
     assert table.count("| the same |") == 4 and "| one decoder layer" in table
+
+
+# ------------------------------------------------------------------ a lost stage
+
+def test_a_lost_stage_ends_the_other_with_one_line_within_the_timeout(tmp_path):
+    """Two machines, one pipeline stage each (two torchruns meeting at a c10d rendezvous,
+    as two nodes would). The machine of stage 1 dies whole (SIGKILL to its torchrun and
+    its worker) mid-run: stage 0, waiting on a send or a recv, stops within --timeout with
+    one line naming the cause, and no traceback."""
+    port, timeout = free_port(), 20
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=pp-{port}",
+           str(REPO / SCRIPT), *map(str, TINY), "--pp", "2", "--max-steps", "100000", "--timeout", str(timeout),
+           "--save-dir", str(tmp_path), "--experiment-name", "lost"]
+    logs = [tmp_path / f"node{i}.log" for i in range(2)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    nodes = [subprocess.Popen(cmd, cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
+                              start_new_session=True) for log in logs]
+    try:
+        deadline = time.monotonic() + 240
+        while "step 3/" not in logs[0].read_text() + logs[1].read_text():  # the pipeline runs
+            assert time.monotonic() < deadline and all(n.poll() is None for n in nodes), \
+                "\n".join(log.read_text()[-3000:] for log in logs)
+            time.sleep(0.5)
+        stage1 = next(i for i, log in enumerate(logs) if "step 3/" not in log.read_text())  # rank 0 logs
+        os.killpg(nodes[stage1].pid, signal.SIGKILL)  # the whole machine of stage 1
+        lost_at, survivor = time.monotonic(), logs[1 - stage1]
+        # the rank's line, not torchrun's exit: a torchrun whose rendezvous host is gone may
+        # linger (the README's failure table: Ctrl-C it, or srun --kill-on-bad-exit=1)
+        while "error: rank 0: " not in survivor.read_text() and time.monotonic() - lost_at < timeout + 60:
+            time.sleep(0.5)
+        took = time.monotonic() - lost_at
+        time.sleep(2)  # what else the rank prints as it ends
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+                node.wait()
+    out = logs[1 - stage1].read_text()
+    errors = [line for line in out.splitlines() if line.startswith("error: rank 0: a peer ")]
+    assert len(errors) == 1 and "train_llm.py\", line" not in out, out[-3000:]
+    assert took < timeout + 10, took  # at most the timeout (a closed connection: at once)
