@@ -586,8 +586,11 @@ def test_ctrl_c_while_torch_is_imported_is_one_line(tmp_path, launch):
     assert len(said) == 1 and "KeyboardInterrupt" not in out and "train_llm.py" not in out, out[-3000:]
     if launch == "python":
         assert job.returncode == 130 and lines == said, out  # the only output
-    else:  # torchrun says it got the signal (its traceback, status 1); the workers said one line
-        assert job.returncode == 1 and out.count("Traceback") == 1 and "SignalException" in out, out[-3000:]
+    else:  # torchrun says it got the signal (its traceback, status 1); the workers said one line.
+        # (Now and then torchrun's own interpreter then aborts in its teardown, "terminate called
+        # without an active exception": SIGABRT, torchrun's own, after the same report.)
+        assert job.returncode in (1, -signal.SIGABRT), out[-3000:]
+        assert out.count("Traceback") == 1 and "SignalException" in out, out[-3000:]
         assert "[rank" not in out and "exitcode" not in out, out[-3000:]
 
 
