@@ -31,11 +31,13 @@ def free_port() -> int:
 
 def as_launch(cmd: list[str]) -> tuple[int, int, list[str]] | None:
     """(ranks, restarts, [script, args...]) when the command is one the zygote can run as
-    is: plain `python script.py ...` (0 ranks) or `torchrun --standalone
+    is: plain `python script.py ...` or `python -m module ...` (0 ranks) or `torchrun --standalone
     --nproc-per-node=N [--max-restarts=K] script ...` with no other torchrun flag; None
     for anything else."""
     if len(cmd) >= 2 and cmd[0] == sys.executable and cmd[1].endswith(".py"):
         return 0, 0, cmd[1:]
+    if len(cmd) >= 3 and cmd[0] == sys.executable and cmd[1] == "-m" and cmd[2] != TORCHRUN[2]:
+        return 0, 0, cmd[1:]  # `python -m module ...`: argv starts with "-m"
     if cmd[:4] != TORCHRUN or len(cmd) < 6 or not cmd[4].startswith("--nproc-per-node="):
         return None
     ranks, rest, restarts = int(cmd[4].split("=", 1)[1]), cmd[5:], 0

@@ -3,13 +3,13 @@ fresh process for every launch it is asked for, so a launch costs a fork, not th
 of CPU that `import torch` takes in every new interpreter.
 
 It never runs a torch operation itself (no thread pool to inherit across fork). Each
-request (one JSON line on stdin) names a script, its arguments, environment, folder and
-output files, and a number of ranks: 0 runs the script as `python script.py` would;
-N >= 1 runs N ranks with the variables torchrun gives its workers, each in a session of
-its own as torchrun starts them, under a small launcher process that, like torchrun,
-passes SIGTERM and SIGINT on to each rank's process group and then ends the job, stops
-the other ranks when one fails, starts them all again while `max_restarts` allows
-(TORCHELASTIC_RESTART_COUNT counts up), and otherwise exits 1.
+request (one JSON line on stdin) names a script (or `-m module`), its arguments,
+environment, folder and output files, and a number of ranks: 0 runs the script as
+`python script.py` would; N >= 1 runs N ranks with the variables torchrun gives its
+workers, each in a session of its own as torchrun starts them, under a small launcher
+process that, like torchrun, passes SIGTERM and SIGINT on to each rank's process group
+and then ends the job, stops the other ranks when one fails, starts them all again while
+`max_restarts` allows (TORCHELASTIC_RESTART_COUNT counts up), and otherwise exits 1.
 The reply lines on stdout: {"started": pid}, later {"pid": pid, "status": code}, where
 code is the exit status, or -signal. The pid is the launcher's (a process group leader);
 its children are the ranks (tests/warm.py: kill_launch stops them all)."""
@@ -55,6 +55,11 @@ def become(request: dict, env: dict) -> None:
     os.environ.clear()
     os.environ.update(env)
     os.chdir(request["cwd"])
+    if request["argv"][0] == "-m":  # `python -m module args`: the current folder on the path
+        sys.argv = [request["argv"][1], *request["argv"][2:]]
+        sys.path[:] = [os.getcwd(), *STARTUP_PATH[1:]]
+        runpy.run_module(request["argv"][1], run_name="__main__", alter_sys=True)
+        sys.exit(0)
     script = os.path.realpath(os.path.join(request["cwd"], request["argv"][0]))
     sys.argv = [request["argv"][0], *request["argv"][1:]]
     sys.path[:] = [os.path.dirname(script), *STARTUP_PATH[1:]]
