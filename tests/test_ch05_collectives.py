@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import REPO, chapter_module, load_script, python_cmd, read_json, run, torchrun_cmd
+from pages import readme_command
 from common.data import DEFAULT_VOCAB_SIZE
 sharding = chapter_module("05-collectives", "sharding")
 timeline = chapter_module("05-collectives", "timeline")
@@ -157,8 +158,15 @@ def test_bad_flags_exit_2_as_a_process(tmp_path, script, argv, message):
 @pytest.mark.parametrize("nproc, flags", [(2, []), (3, []), (3, ["--emulate"])],
                          ids=["2-ranks", "3-ranks", "3-ranks-emulated"])
 def test_every_collective_is_correct(nproc, flags):
-    # the README's first command under torchrun itself; the others through the warm launcher
-    proc = run(torchrun_cmd(nproc, DEMO, *flags), timeout=180, warm=nproc != 2)
+    """On 2 ranks under torchrun itself; on 3, the README's two commands as written,
+    through the warm launcher."""
+    if nproc == 2:
+        proc = run(torchrun_cmd(nproc, DEMO), timeout=180, warm=False)
+    elif flags:
+        proc = run(readme_command("05-collectives/README.md", "nproc-per-node=3 05-collectives/collectives_demo.py --emulate"))
+    else:
+        proc = run(readme_command("05-collectives/README.md",
+                                  "torchrun --standalone --nproc-per-node=3 05-collectives/collectives_demo.py"))
     out = proc.stdout
     for title in TITLES:
         assert f"=== {title} ===" in out, title
@@ -250,10 +258,11 @@ def test_benchmark_writes_busbw_with_the_right_factors(tmp_path):
 # ------------------------------------------------------- DDP rebuilt from collectives
 
 def test_ddp_from_scratch_equals_ddp_bit_for_bit_on_2_ranks(tmp_path):
-    proc = run(torchrun_cmd(2, SCRATCH, "--model-preset", "tiny", "--seq-length", "64",
-                            "--batch-size", "4", "--steps", "2", "--modes", "naive,bucketed,overlap,ddp",
-                            "--bucket-mb", "1", "--save-dir", tmp_path, "--experiment-name", "s"),
-               timeout=240)
+    """data-parallel.md's command with 1 MiB buckets (4 MiB there: the tiny preset's 4.4 MiB
+    of gradients would fill two)."""
+    proc = run([*readme_command("05-collectives/data-parallel.md", "--bucket-mb 4"), "--model-preset", "tiny",
+                "--seq-length", "64", "--batch-size", "4", "--steps", "2", "--bucket-mb", "1",
+                "--save-dir", tmp_path, "--experiment-name", "s"], timeout=240)
     assert "| naive" in proc.stdout and "tokens/s" in proc.stdout
     assert "equal DDP's after each of 3 float64 steps taken from DDP's state, bit for bit" in proc.stdout
     out = proc.stdout  # each phase says what runs before it runs, ahead of the table
@@ -291,26 +300,23 @@ def test_ddp_from_scratch_equals_ddp_bit_for_bit_on_2_ranks(tmp_path):
         modes["bucketed"]["tokens_per_s"] / modes["ddp"]["tokens_per_s"])
 
 
-# The README's 3-rank command as written: 16 proof steps at a large lr, every mode (a proof
-# that compared the modes only after all the steps failed it: rounding grows over them)
-README_3_RANKS = ["--model-preset", "tiny", "--seq-length", "32", "--batch-size", "2", "--steps", "1",
-                  "--timing-warmup", "0", "--proof-steps", "16", "--lr", "0.1",
-                  "--modes", "naive,bucketed,overlap,ddp"]
+# On 4 ranks: the default modes and 3 proof steps, one untimed step
 TINY_4_RANKS = ["--model-preset", "tiny", "--seq-length", "64", "--batch-size", "2", "--steps", "1",
                 "--timing-warmup", "0"]
 
 
-@pytest.mark.parametrize("nproc, flags", [(3, README_3_RANKS), (4, TINY_4_RANKS)], ids=["3-ranks-lr-0.1", "4-ranks"])
-def test_ddp_from_scratch_matches_ddp_to_rounding_on_3_and_4_ranks(tmp_path, nproc, flags):
+@pytest.mark.parametrize("nproc", [3, 4], ids=["3-ranks-lr-0.1", "4-ranks"])
+def test_ddp_from_scratch_matches_ddp_to_rounding_on_3_and_4_ranks(tmp_path, nproc):
     """Three or four ranks: the modes add the ranks' gradients in different orders, so in
     float64 they agree to rounding, within the derived one-step bound, which is far below
     an AdamW step and which a real bug exceeds by orders of magnitude (see the next
-    tests). 3 ranks: the README's command; 4: the default modes and 3 proof steps. The
-    timed phase, which this test does not read, runs only the one step the script
-    requires."""
-    if flags is README_3_RANKS:  # still the README's command, which test_readmes.py counts on this test to run
-        assert f"--nproc-per-node=3 {SCRATCH} {' '.join(flags)}\n" in pages_text()
-    proc = run(torchrun_cmd(nproc, SCRATCH, *flags, "--save-dir", tmp_path, "--experiment-name", "s"), timeout=300)
+    tests). 3 ranks: data-parallel.md's command as written, 16 proof steps at a large lr,
+    every mode (a proof that compared the modes only after all the steps failed it:
+    rounding grows over them); 4: the default modes and 3 proof steps. The timed phase,
+    which this test does not read, runs only the one step the script requires."""
+    command = readme_command("05-collectives/data-parallel.md", "nproc-per-node=3 05-collectives/ddp_from_scratch.py") \
+        if nproc == 3 else torchrun_cmd(nproc, SCRATCH, *TINY_4_RANKS)
+    proc = run([*command, "--save-dir", tmp_path, "--experiment-name", "s"], timeout=300)
     assert "OK: every mode's parameters equal DDP's" in proc.stdout
     result = read_json(tmp_path / "s" / "ddp_from_scratch.json")
     assert result["passed"] and result["world_size"] == nproc
@@ -414,11 +420,6 @@ def test_replicas_that_differ_after_a_step_fail_the_proof(one_rank_group, monkey
 
 
 # ------------------------------------------------- the README shows what the scripts print
-
-def pages_text() -> str:
-    """Chapter 05's pages: its README and the parts beside it."""
-    return "\n".join(p.read_text() for p in sorted((REPO / CH).glob("*.md")))
-
 
 def readme_table_headers(path: Path) -> list[tuple[str, ...]]:
     """The header row of every Markdown table in the file (indented ones too)."""

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from conftest import REPO, chapter_module, load_script, python_cmd, read_json, run, run_folder_held, torchrun_cmd
+from pages import readme_command
 
 SCRIPT = "05-collectives/sharded_from_scratch.py"
 sharded = load_script(SCRIPT)
@@ -29,12 +30,10 @@ TINY = ["--model-preset", "tiny", "--seq-length", "32", "--batch-size", "2"]
 # The proof runs --proof-steps 3 fp64 steps (the default). The timed phase is asserted
 # on only on 2 ranks (2 steps there, the first untimed); on 4 ranks it runs the least
 # the script allows, one timed step, whose figures no test reads. On 3 ranks the test
-# runs the README's command as written (README_3_RANKS: 8 proof steps, 3 timed).
+# runs sharding.md's command as written (8 proof steps at lr 0.1, 3 timed).
 TIMED = ["--steps", "2", "--timing-warmup", "1"]
 UNTIMED = ["--steps", "1", "--timing-warmup", "0"]
-# 05-collectives/README.md's 3-rank command as written (test_readmes.py counts on this run)
-README_3_RANKS = ["--model-preset", "tiny", "--seq-length", "32", "--batch-size", "2", "--steps", "3",
-                  "--timing-warmup", "1", "--proof-steps", "8", "--lr", "0.1"]
+PAGE = "05-collectives/sharding.md"
 
 
 # ------------------------------------------------------------------- unit tests
@@ -248,26 +247,27 @@ def assert_the_plan_matches(result):
         assert r["comm_sent_bytes_per_step"] == pytest.approx(sent, rel=1e-12), mode
 
 
-def run_script(tmp_path, nproc, *flags):
-    proc = run(torchrun_cmd(nproc, SCRIPT, *TINY, *flags, "--save-dir", tmp_path,
-                            "--experiment-name", f"s{nproc}"), timeout=240)
-    return proc, read_json(tmp_path / f"s{nproc}" / "sharded_from_scratch.json")
+def run_script(tmp_path, command, *flags):
+    proc = run([*command, *flags, "--save-dir", tmp_path, "--experiment-name", "s"], timeout=240)
+    return proc, read_json(tmp_path / "s" / "sharded_from_scratch.json")
 
 
 def test_every_mode_equals_ddp_bit_for_bit_on_2_ranks(tmp_path):
-    proc, result = run_script(tmp_path, 2, *TIMED)
+    """sharding.md's first command, the tiny preset, 2 timed steps."""
+    proc, result = run_script(tmp_path, readme_command(PAGE, "nproc-per-node=2 05-collectives/sharded_from_scratch.py"),
+                              *TINY, *TIMED)
     assert "equal DDP's after each of 3 fp64 steps taken from DDP's state, bit for bit" in proc.stdout
     # each phase says what runs before it runs, ahead of the tables
     out = proc.stdout
     assert 0 < out.index("proof: 3 fp64 steps of each mode") < out.index("timing: 2 fp32 steps of each mode") \
         < out.index("per-rank bytes")
     assert "| zero3" in proc.stdout and "peak in step MiB (MemTracker)" in proc.stdout
-    assert (tmp_path / "s2" / "sharded_from_scratch.png").stat().st_size > 0
+    assert (tmp_path / "s" / "sharded_from_scratch.png").stat().st_size > 0
     assert result["passed"] and result["world_size"] == 2 and result["proof_bound"] == 0.0
     assert result["proof_dtype"] == "fp64" and result["timing_dtype"] == "fp32"
     modes = result["modes"]
     assert list(modes) == ["ddp", "zero1", "zero3", "fsdp2"]
-    table = (tmp_path / "s2" / "tables.md").read_text()  # what the tour's report shows
+    table = (tmp_path / "s" / "tables.md").read_text()  # what the tour's report shows
     assert "per-rank bytes, 2 ranks" in table and "| zero3 " in table and len(re.findall(r"\|\s*0\.00e\+00\s*\|", table)) == 4
     p_bytes = 4 * result["num_params"]
     for m, r in modes.items():
@@ -295,21 +295,21 @@ def test_every_mode_equals_ddp_bit_for_bit_on_2_ranks(tmp_path):
     assert_the_plan_matches(result)
 
 
-@pytest.mark.parametrize("nproc, flags", [(3, README_3_RANKS), (4, UNTIMED)], ids=["3-ranks-lr-0.1", "4-ranks"])
-def test_every_mode_equals_ddp_within_the_rounding_bound(tmp_path, nproc, flags):
+@pytest.mark.parametrize("nproc", [3, 4], ids=["3-ranks-lr-0.1", "4-ranks"])
+def test_every_mode_equals_ddp_within_the_rounding_bound(tmp_path, nproc):
     """More than 2 ranks: the modes sum the ranks' gradients in other orders, and AdamW
     turns that rounding into weight differences; the derived bound holds them, also at a
     large learning rate (which failed a fixed 1024-ulp bound: 6.6e-5 > 6.1e-5 in fp32)
     over the README's 8 proof steps, each from DDP's state. (Compared only after the 8th,
     on Python 3.10's corpus, fsdp2 had drifted 0.09 from DDP at lr 0.1: the rounding of
     one step changes the next step's gradients, which no one-step bound follows.)"""
-    if flags is README_3_RANKS:  # still the README's command, which test_readmes.py counts on this test to run
-        assert f"--nproc-per-node=3 05-collectives/sharded_from_scratch.py {' '.join(flags)}\n" in \
-            "\n".join(page.read_text() for page in (REPO / "05-collectives").glob("*.md"))
-    proc, result = run_script(tmp_path, nproc, *flags)
+    if nproc == 3:
+        proc, result = run_script(tmp_path, readme_command(PAGE, "nproc-per-node=3 05-collectives/sharded_from_scratch.py"))
+    else:
+        proc, result = run_script(tmp_path, torchrun_cmd(nproc, SCRIPT, *TINY, *UNTIMED))
     assert "OK: every mode's weights equal DDP's" in proc.stdout
     bound = result["proof_bound"]
-    lr = float(flags[flags.index("--lr") + 1]) if "--lr" in flags else 1e-3
+    lr = result["args"]["lr"]
     assert result["passed"] and 0 < bound < lr * 1e-3  # far inside one AdamW step (~lr)
     modes = result["modes"]
     for m, r in modes.items():

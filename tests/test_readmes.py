@@ -14,12 +14,10 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, load_script, run
+from pages import PAGES, argv_of, commands_run_by_tests, fenced_blocks, page_commands, split_command
 from tools.chapters import CHAPTERS
 
-PAGES = sorted([REPO / "README.md", REPO / "DESIGN.md", *REPO.glob("0*/*.md"), *REPO.glob("docs/*.md"),
-                REPO / "tests" / "README.md"])
 PREVIOUS = {c.folder: c.builds_on for c in CHAPTERS if c.builds_on}  # whose diff each README shows
-NEEDS = re.compile(r"#\s*needs\b(.*)$")  # `cmd  # needs 8 GPUs`: parsed, not run
 TOOL = re.compile(r"^python -m (tools\.\w+)(.*)$")
 # Flags that make a run short, appended (argparse: the last occurrence wins) to every
 # command a page shows; what a command is for does not change, only its size.
@@ -46,11 +44,7 @@ SCRIPT_FAST = {
 TOOL_FAST = {"tools.tour": ["--dry-run"], "tools.gpu_check": ["--dry-run"],
              "tools.bench_model": ["--presets", "tiny", "--iters", "2", "--warmup", "1", "--no-compile"],
              "tools.data_memory": ["--tokens", "100000", "--nproc-per-node", "2"]}
-SHELL = ("pip ", "git ", "cd ", "sbatch ", "python -m pytest")  # setup, CI's own command, a cluster's
-
-
-def fenced_blocks(text: str, lang: str) -> list[str]:
-    return re.findall(rf"^ *```{lang}\n(.*?)^ *```", text, flags=re.S | re.M)
+RUN_BY_TESTS = commands_run_by_tests()  # {command: the test file that runs it as written}
 
 
 def test_every_chapter_has_a_readme():
@@ -132,39 +126,6 @@ def test_code_quoted_from_the_chapter_is_its_code(chapter):
 
 # ---- every command a page shows -----------------------------------------------------------------
 
-def page_commands(page: Path) -> list[tuple[str, str | None]]:
-    """(command, what it needs, or None) for every command of the page's bash blocks; a
-    line of `a && b` is two commands. Setup and CI's own test command are not ours to run."""
-    out = []
-    for block in fenced_blocks(page.read_text(), "bash"):
-        for line in block.splitlines():
-            line = line.strip()
-            if not line or line.startswith("#"):
-                continue
-            need = NEEDS.search(line)
-            line = re.sub(r"\s+#.*$", "", line)
-            for command in (c.strip() for c in line.split("&&")):
-                if not command.startswith(SHELL):
-                    out.append((command, need[1].strip() if need else None))
-    return out
-
-
-def split_command(command: str, save_dir: Path) -> dict:
-    """A page's command taken apart: environment, launcher, its options, script, script
-    args (outputs/ redirected to `save_dir`)."""
-    words = shlex.split(command)
-    if words[0] == "sudo":
-        words.pop(0)
-    env = {}
-    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
-        k, v = words.pop(0).split("=", 1)
-        env[k] = v
-    words = [w.replace("outputs/", f"{save_dir}/") for w in words]
-    assert words[0] in ("python", "torchrun"), f"{command}: starts with {words[0]!r}, not python or torchrun"
-    i = next(i for i, w in enumerate(words) if w.endswith(".py"))
-    return {"env": env, "launcher": words[0], "options": words[1:i], "script": words[i], "args": words[i + 1:]}
-
-
 def option_strings(module) -> set[str]:
     """The flags a script's parser knows (its parse_args, stopped before it parses)."""
     import argparse
@@ -198,8 +159,7 @@ def fast_argv(command: str, save_dir: Path) -> tuple[list[str], dict]:
     parts = split_command(command, save_dir)
     name = Path(parts["script"]).name
     assert name in SCRIPT_FAST, f"{command}: add the flags that make {name} short to SCRIPT_FAST"
-    launch = [sys.executable] if parts["launcher"] == "python" else [sys.executable, "-m", "torch.distributed.run"]
-    argv = [*launch, *parts["options"], parts["script"], *parts["args"], *SCRIPT_FAST[name]]
+    argv = [*argv_of(parts), *SCRIPT_FAST[name]]
     if "--save-dir" in option_strings(load_script(parts["script"])):
         argv += ["--save-dir", str(save_dir)]
     return argv, parts["env"]
@@ -209,7 +169,8 @@ def fast_argv(command: str, save_dir: Path) -> tuple[list[str], dict]:
 def test_every_command_runs_as_written(page, tmp_path):
     """Each command a page shows runs (its size made small by flags appended), once
     however often the page shows it; a command marked `# needs ...` (GPUs, machines, root)
-    or naming an earlier command's outputs is parsed by its script's own parser."""
+    or naming an earlier command's outputs is parsed by its script's own parser, and so
+    is one that a chapter's own test runs as written (tests/pages.py: readme_command)."""
     ran = set()
     for command, need in page_commands(page):
         tool = TOOL.match(command)
@@ -219,7 +180,7 @@ def test_every_command_runs_as_written(page, tmp_path):
                 ran.add((tool[1], *argv))
                 run([sys.executable, "-m", tool[1], *argv], timeout=600)
             continue
-        if need is not None or "outputs/" in command:
+        if need is not None or "outputs/" in command or command in RUN_BY_TESTS:
             parse_only(command, tmp_path)
             continue
         argv, env = fast_argv(command, tmp_path)
