@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from pages import readme_command
 from warm import WarmJob, Zygote, as_launch, free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -241,12 +242,15 @@ def from_json(d: dict) -> subprocess.CompletedProcess:
 def uninterrupted(tmp_path_factory):
     """Chapter 04's reference run, which every resumed run must match: (process, run folder).
     Tests read it and copy it; none changes it."""
-    from ch04_runs import NAME, train
+    from ch04_runs import NAME, flags
 
-    # the README's command (torchrun itself runs the chapter in the crash-and-restart and
-    # SIGTERM tests)
-    made = made_once(tmp_path_factory, "ch04-ref",
-                     lambda save_dir: {"proc": as_json(train(save_dir)), "dir": str(save_dir)})
+    # the README's first command (torchrun itself runs the chapter in the crash-and-restart
+    # and SIGTERM tests)
+    def reference(save_dir):
+        proc = run([*readme_command("04-checkpointing/README.md", "--experiment-name ckpt-demo"), *flags(save_dir)],
+                   timeout=120)
+        return {"proc": as_json(proc), "dir": str(save_dir)}
+    made = made_once(tmp_path_factory, "ch04-ref", reference)
     return from_json(made["proc"]), Path(made["dir"]) / NAME
 
 
@@ -274,8 +278,8 @@ def ch01_smoke(tmp_path_factory):
     README's first command; test_tour.py runs it in a fresh interpreter, as a reader
     does): (process, run folder, metrics records, summary)."""
     def smoke(save_dir):
-        proc = run(python_cmd("01-single-gpu/train_llm.py", *TINY, "--max-steps", CH01_STEPS,
-                              "--save-dir", save_dir, "--experiment-name", "smoke"), env=NO_GPU)
+        proc = run([*readme_command("01-single-gpu/README.md", "python 01-single-gpu/train_llm.py"), *TINY,
+                    "--max-steps", CH01_STEPS, "--save-dir", save_dir, "--experiment-name", "smoke"], env=NO_GPU)
         return {"proc": as_json(proc), "dir": str(save_dir / "smoke")}
     made = made_once(tmp_path_factory, "ch01", smoke)
     run_dir = Path(made["dir"])

@@ -73,9 +73,9 @@ def find_command(page: str, *words: str) -> str:
 
 def readme_command(page: str, *words: str) -> list[str]:
     """The argv of the one runnable command of `page` that contains every word, for a test
-    that runs it (adding its own size flags after it: argparse keeps the last). The words
-    must be plain strings in the call: test_readmes.py reads the calls to know which
-    commands their own tests run."""
+    that runs it (adding its own size flags after it: argparse keeps the last). The page
+    and the words are strings in the call, or names of module-level strings:
+    test_readmes.py reads the calls to know which commands their own tests run."""
     parts = split_command(find_command(page, *words))
     assert not parts["env"], f"{page}: a command with variables is run by test_readmes.py"
     return argv_of(parts)
@@ -85,11 +85,15 @@ def commands_run_by_tests() -> dict[str, str]:
     """{command: the test file that runs it} for every readme_command call in the tests."""
     out = {}
     for path in sorted(REPO.glob("tests/*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        strings = {t.id: node.value.value for node in tree.body if isinstance(node, ast.Assign)
+                   and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+                   for t in node.targets if isinstance(t, ast.Name)}
+        for node in ast.walk(tree):
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "readme_command":
-                args = [a.value if isinstance(a, ast.Constant) and isinstance(a.value, str) else None
+                args = [a.value if isinstance(a, ast.Constant) else strings.get(getattr(a, "id", None))
                         for a in node.args]
-                assert None not in args and len(args) >= 2, \
-                    f"{path.name}:{node.lineno}: readme_command takes plain strings (a page, then words)"
+                assert len(args) >= 2 and all(isinstance(a, str) for a in args), \
+                    f"{path.name}:{node.lineno}: readme_command takes strings (a page, then words)"
                 out[find_command(*args)] = path.name
     return out

@@ -14,6 +14,7 @@ import torch
 from common.model import LlamaForCausalLM, get_config, num_parameters
 from common.training import build_optimizer
 from conftest import load_script, python_cmd, read_json, refused, run, run_folder_held, torchrun_cmd
+from pages import readme_command
 
 SCRIPT = "01-single-gpu/memory_anatomy.py"
 
@@ -70,7 +71,8 @@ def test_measured_memory_is_the_textbook_and_checkpointing_keeps_less(dtype):
 def anatomy(tmp_path_factory):
     """The README's command, with tiny settings: one tracked step per setting."""
     save_dir = tmp_path_factory.mktemp("anatomy")
-    proc = run(python_cmd(SCRIPT, *SMALL, "--save-dir", save_dir, "--experiment-name", "a"))
+    proc = run([*readme_command("01-single-gpu/README.md", "memory_anatomy.py"), *SMALL, "--save-dir", save_dir,
+                "--experiment-name", "a"])
     return proc, save_dir / "a"
 
 

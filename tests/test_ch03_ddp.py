@@ -15,6 +15,7 @@ import torch
 
 from conftest import REPO, SMALL_CORPUS_FLAGS, TINY, free_port, python_cmd, read_json, \
     read_jsonl, run, shuffled_epochs, small_corpus, torchrun_cmd, training_order
+from pages import readme_command
 
 SCRIPT = "03-ddp/train_llm.py"
 CH01 = "01-single-gpu/train_llm.py"
@@ -71,16 +72,18 @@ def ch01_b16(save_dir):
 
 @pytest.fixture(scope="module")
 def ddp(save_dir):
-    """2 processes x batch 8, torchrun --standalone. (Through the suite's warm launcher:
-    the README's command runs under torchrun itself in test_tour.py::test_short_real_tour.)"""
-    proc = run(torchrun_cmd(2, SCRIPT, *train_args(save_dir, "ddp-2x8", 8)))
+    """The README's command: 2 processes x batch 8, torchrun --standalone. (Through the
+    suite's warm launcher: torchrun itself runs it in test_tour.py::test_short_real_tour.)"""
+    proc = run([*readme_command("03-ddp/README.md", "torchrun --standalone --nproc-per-node=2 03-ddp/train_llm.py"),
+                *train_args(save_dir, "ddp-2x8", 8)])
     return proc, save_dir / "ddp-2x8"
 
 
 @pytest.fixture(scope="module")
 def accum(save_dir):
-    """Plain python (world size 1), batch 8 x grad-accum 2."""
-    proc = run(python_cmd(SCRIPT, *train_args(save_dir, "accum-1x8x2", 8, "--grad-accum", 2)))
+    """The README's plain python (world size 1), batch 8 x grad-accum 2."""
+    proc = run([*readme_command("03-ddp/README.md", "python 03-ddp/train_llm.py"),
+                *train_args(save_dir, "accum-1x8x2", 8, "--grad-accum", 2)])
     return proc, save_dir / "accum-1x8x2"
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import TINY, load_script, read_json, refused, run, torchrun_cmd
+from conftest import TINY, load_script, read_json, refused, run
+from pages import readme_command
 
 SCRIPT = "03-ddp/ddp_knobs.py"
 CAPS = [0.01, 0.1, 1.0]
@@ -20,8 +21,8 @@ STEPS = 4
 def knobs(tmp_path_factory):
     save = tmp_path_factory.mktemp("knobs")
     caps = ",".join(map(str, CAPS))
-    proc = run(torchrun_cmd(2, SCRIPT, *TINY[:6], "--steps", STEPS, "--bucket-caps", caps,  # preset, sequence, batch
-                            "--save-dir", save, "--experiment-name", "k"), timeout=300)
+    proc = run([*readme_command("03-ddp/README.md", "03-ddp/ddp_knobs.py"), *TINY[:6],  # preset, sequence, batch
+                "--steps", STEPS, "--bucket-caps", caps, "--save-dir", save, "--experiment-name", "k"], timeout=300)
     return proc, read_json(save / "k" / "ddp_knobs.json")
 
 

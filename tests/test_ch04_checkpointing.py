@@ -18,6 +18,7 @@ from common.data import build_datasets
 from common.files import write_manifest
 from conftest import SMALL_CORPUS_FLAGS, load_script, python_cmd, read_json, read_jsonl, run, shuffled_epochs, \
     small_corpus, torchrun_cmd, training_order
+from pages import readme_command
 
 
 def test_uninterrupted_run_keeps_the_last_k_checkpoints(uninterrupted):
@@ -42,7 +43,9 @@ def test_summary_reports_the_checkpoint_cost(uninterrupted):
 
 
 def test_torchrun_restart_after_a_crash_continues_exactly(tmp_path, uninterrupted):
-    proc = train(tmp_path, "--crash-at-step", CRASH, restarts=3, warm=False)  # torchrun's own restart
+    """The README's crash demo, under torchrun itself (its own restart)."""
+    proc = run([*readme_command("04-checkpointing/README.md", "--max-restarts=3"),
+                *flags(tmp_path, "--crash-at-step", CRASH)], warm=False, timeout=120)
     run_dir = tmp_path / NAME
     assert f"injected crash after step {CRASH}" in proc.stdout + proc.stderr
     assert (run_dir / f"crash-injected-at-step-{CRASH}").exists()

@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from conftest import chapter_module, load_script, read_json, run, torchrun_cmd
+from conftest import chapter_module, load_script, read_json, run
+from pages import readme_command
 timeline = chapter_module("05-collectives", "timeline")
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -21,8 +22,8 @@ SIZES = ["--model-preset", "small", "--seq-length", "64", "--batch-size", "2"]
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory):
     save_dir = tmp_path_factory.mktemp("timeline")
-    proc = run(torchrun_cmd(2, SCRIPT, *SIZES, "--modes", "naive,ch03-ddp", "--save-dir", save_dir,
-                            "--experiment-name", "t"))
+    proc = run([*readme_command("05-collectives/overlap.md", "nproc-per-node=2 05-collectives/overlap_timeline.py"),
+                *SIZES, "--modes", "naive,ch03-ddp", "--save-dir", save_dir, "--experiment-name", "t"])
     return proc, save_dir / "t"
 
 

@@ -190,6 +190,15 @@ def test_every_command_runs_as_written(page, tmp_path):
             run(argv, env=env, timeout=600)
 
 
+def test_the_commands_chapter_tests_run_are_on_their_pages():
+    """A command left to a chapter's own test (readme_command) is one a page shows, and
+    that test file calls for it: the pages' largest commands are run once, there."""
+    shown = {c for page in PAGES for c, _ in page_commands(page)}
+    assert RUN_BY_TESTS and set(RUN_BY_TESTS) <= shown
+    for command, file in RUN_BY_TESTS.items():
+        assert "readme_command(" in (REPO / "tests" / file).read_text(), (command, file)
+
+
 # ---- readable ---------------------------------------------------------------------------------
 
 WORDS = {REPO / "README.md": 1500}  # the map; a chapter's README at most 3,000
