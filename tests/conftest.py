@@ -255,6 +255,17 @@ def uninterrupted(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def uninterrupted_on_3_ranks(tmp_path_factory):
+    """The reference run on 3 ranks: its run folder."""
+    from ch04_runs import NAME, train
+
+    def reference(save_dir):
+        train(save_dir, nproc=3)
+        return str(save_dir)
+    return Path(made_once(tmp_path_factory, "ch04-ref-3", reference)) / NAME
+
+
+@pytest.fixture(scope="session")
 def crashed(tmp_path_factory):
     """Chapter 04 with --crash-at-step and no torchrun restarts: the job fails after step
     7, with the checkpoints of steps 3 and 6 left. (process, run folder)"""

@@ -55,16 +55,15 @@ def test_torchrun_restart_after_a_crash_continues_exactly(tmp_path, uninterrupte
     assert summary["resumed_at_step"] == 6 and summary["restart_count"] == 1
 
 
-def test_on_3_ranks_a_restart_continues_exactly_too(tmp_path):
+def test_on_3_ranks_a_restart_continues_exactly_too(tmp_path, uninterrupted_on_3_ranks):
     """On 3 ranks an all-reduce's sums depend on where each gradient sits in DDP's
     buckets, which DDP rebuilds after its first backward. A resumed run rebuilds them
     before its first step (checkpoint.rebuild_ddp_buckets), so a restart after a crash
     still ends with exactly the losses and weights of an uninterrupted 3-rank run.
     (Without it the weights differed from step 8 on, by 6e-8.)"""
-    train(tmp_path / "whole", nproc=3)
     proc = train(tmp_path / "restarted", "--crash-at-step", CRASH, restarts=1, nproc=3)
     assert f"resumed from {tmp_path / 'restarted' / NAME / 'checkpoints' / step_dir(6)}: step 6" in proc.stdout
-    assert_same_as_uninterrupted(tmp_path / "restarted" / NAME, tmp_path / "whole" / NAME)
+    assert_same_as_uninterrupted(tmp_path / "restarted" / NAME, uninterrupted_on_3_ranks)
     assert "over 2 batches" in proc.stdout  # --val-batches 2 in all, not one per rank
 
 
