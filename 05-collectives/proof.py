@@ -5,7 +5,7 @@ rebuilt from collectives, against DDP), and the rounding bound they are held to.
 - `max_relative_difference`, `max_abs_difference`: two sets of tensors on one rank.
 - `max_difference_to_rank0`: are the ranks' copies identical? (a collective)
 - `adam_step_bound`: how far summation order alone can move AdamW's weights in one step.
-- `exact_kernels`: deterministic kernels and no TF32 while a proof runs.
+- `exact_kernels` (from common/demos.py): deterministic kernels and no TF32 while a proof runs.
 - `full_tensor`, `full_state`: fully_shard's DTensors gathered whole, also over gloo
   with CUDA tensors, where torch's own gather crashes.
 
@@ -16,14 +16,11 @@ Every tensor a collective here sends lives on the device the caller's tensors (o
 from __future__ import annotations
 
 import math
-import os
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 
-from common.demos import all_gather_single
-from common.environment import set_tf32, tf32_enabled
+from common.demos import all_gather_single, exact_kernels  # noqa: F401 (the proofs' callers import it from here)
 
 
 def max_over_ranks(value: float, device) -> float:
@@ -94,25 +91,6 @@ def adam_step_bound(world: int, dtype: torch.dtype, lr: float, step: int, max_gr
     delta = 2 * world * (torch.finfo(dtype).eps / 2) * max_grad
     ratio = adam_ratio_bound(betas, step)
     return lr * min((1 + ratio) * delta / eps, 2 * ratio)
-
-
-@contextmanager
-def exact_kernels():
-    """While a proof runs: deterministic kernels (no atomics whose order varies between
-    runs) wherever torch has one (warn_only: an operation without one warns and runs as
-    usual) and, on GPUs, no TF32 in fp32 matmuls. Restored afterwards, so that timed steps
-    run at the chapters' usual speed."""
-    # read by cuBLAS when it starts; the proof runs first, so this is in time
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    before = (torch.are_deterministic_algorithms_enabled(),
-              torch.is_deterministic_algorithms_warn_only_enabled(), tf32_enabled())
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    set_tf32(False)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
-        set_tf32(before[2])
 
 
 def gathers_through_functional_collectives(t: torch.Tensor) -> bool:

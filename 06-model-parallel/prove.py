@@ -19,7 +19,6 @@ import math
 import os
 import sys
 from argparse import Namespace
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -32,9 +31,8 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from tensor_parallel import full_weight, local, local_slice  # noqa: E402
 from train_llm import all_reduce_gradients, clip_grad_norm, compute_loss, split_model  # noqa: E402
 from common.cli import check_seq_length, non_negative_int, one_of, positive_float, positive_int  # noqa: E402
-from common.demos import script_parser, start_demo  # noqa: E402
+from common.demos import exact_kernels, script_parser, start_demo  # noqa: E402
 from common.distributed import gc_and_destroy_process_group  # noqa: E402
-from common.environment import set_tf32, tf32_enabled  # noqa: E402
 from common.errors import MODEL_OOM_ADVICE, UsageError, run_main  # noqa: E402
 from common.model import PRESETS, LlamaForCausalLM, RMSNorm, get_config  # noqa: E402
 from common.runfolder import claim_run_folder  # noqa: E402
@@ -59,22 +57,6 @@ def adam_ratio_bound(betas: tuple[float, float], step: int) -> float:
     b1, b2 = betas
     series = sum((b1 * b1 / b2) ** k for k in range(step))
     return (1 - b1) * math.sqrt((1 - b2 ** step) * series) / ((1 - b1 ** step) * math.sqrt(1 - b2))
-
-
-@contextmanager
-def exact_kernels():
-    """While the proof runs: deterministic kernels where torch has them, and no TF32 in
-    fp32 matmuls on GPUs; restored afterwards."""
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read by cuBLAS when it starts
-    before = (torch.are_deterministic_algorithms_enabled(),
-              torch.is_deterministic_algorithms_warn_only_enabled(), tf32_enabled())
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    set_tf32(False)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
-        set_tf32(before[2])
 
 
 def layouts(world: int, config, batch: int) -> list[Namespace]:

@@ -5,7 +5,8 @@ training scripts do not need:
 - `script_parser`: their flags and checks (torchrun with at least N processes, ...);
 - `start_demo`: their process group, one process per device;
 - `fixed_batches`: the same batches for every method a script compares;
-- `all_gather_single`, `reduce_scatter_single`: the two collectives under this torch's names.
+- `all_gather_single`, `reduce_scatter_single`: the two collectives under this torch's names;
+- `exact_kernels`: deterministic kernels and no TF32 while a proof runs (chapters 05, 06).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import itertools
 import os
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -26,6 +28,7 @@ from .cli import (DEFAULT_SAVE_DIR, REPO_ROOT, Parser, check_backend_choice, che
                   check_seq_length, one_of, positive_float, positive_int, seconds, seed_value)
 from .data import Data, build_datasets, check_dataset_name, check_enough_samples, local_rank0_first
 from .distributed import backend_for
+from .environment import set_tf32, tf32_enabled
 from .errors import UsageError
 from .model import PRESETS
 
@@ -94,7 +97,7 @@ def start_demo(timeout_s: float) -> Demo:
     MASTER_ADDR and MASTER_PORT; nccl moves GPU memory between GPUs, gloo moves CPU
     memory over sockets (and, with LLM_GUIDE_BACKEND=gloo, GPU memory through the host).
     Every tensor a collective sends must live on `Demo.device`: nccl refuses CPU tensors. (The proofs ask for exact kernels
-    themselves, for their duration only: `exact_kernels` in 05-collectives/proof.py.)"""
+    themselves, for their duration only: `exact_kernels` below.)"""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     kwargs = {}
     device = local_gpu(local_rank) if torch.cuda.is_available() else torch.device("cpu")
@@ -134,3 +137,22 @@ def profiler_activities(device: torch.device) -> list:
         return [ProfilerActivity.CPU, ProfilerActivity.CUDA]
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # read when a recording starts
     return [ProfilerActivity.CPU]
+
+
+@contextmanager
+def exact_kernels():
+    """While a proof runs: deterministic kernels (no atomics whose order varies between
+    runs) wherever torch has one (warn_only: an operation without one warns and runs as
+    usual) and, on GPUs, no TF32 in fp32 matmuls. Restored afterwards, so that timed steps
+    run at the chapters' usual speed."""
+    # read by cuBLAS when it starts; the proof runs first, so this is in time
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled(), tf32_enabled())
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    set_tf32(False)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        set_tf32(before[2])

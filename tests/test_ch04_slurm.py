@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from ch04_runs import NAME, SCRIPT, assert_same_as_uninterrupted, flags, kill_job, start_job, step_dir, train
+from ch04_runs import NAME, SCRIPT, assert_same_as_uninterrupted, flags, kill_job, start_job, step_dir
 from conftest import run, torchrun_cmd
 from warm import children
 
