@@ -15,13 +15,20 @@ from pathlib import Path
 
 import pytest
 from pages import readme_command
-from warm import WarmJob, Zygote, as_launch, free_port
+from warm import WarmJob, Zygote, as_launch, free_port, torchrun_itself
 
 REPO = Path(__file__).resolve().parents[1]
 
 # Small settings every chapter smoke test uses.
 TINY = ["--model-preset", "tiny", "--seq-length", "64", "--batch-size", "4",
         "--log-freq", "1", "--val-batches", "2", "--warmup-steps", "2", "--num-workers", "0"]
+
+
+def pytest_collection_modifyitems(items):
+    """The tests marked `long` first, the others in file order: under pytest-xdist a long
+    test that starts last runs on while the other workers have nothing left to do; started
+    first, the short tests fill the cores around it."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
 
 
 @pytest.fixture(autouse=True)
@@ -134,10 +141,11 @@ def run(cmd: list[str], *, timeout: float = 300, cwd: Path = REPO, env: dict | N
     --nproc-per-node=N [--max-restarts=K] script ...` run as forks of one interpreter
     that has imported torch already (tests/zygote.py: the script, its arguments,
     environment, ranks and restart count are the same; what is saved is `import torch`
-    in every process). warm=False, a command with other torchrun flags, and an
-    environment that changes what torch reads at import (TORCH_DISTRIBUTED_DEBUG...)
-    start a fresh interpreter: the tests of what torchrun itself does (signals to its
-    group, a restart after a crash, its exit status and messages) run the real one.
+    in every process). warm=False runs torchrun itself, for the tests of what torchrun
+    does (signals to its group, a restart after a crash, its exit status and messages):
+    the real torchrun in a fork of that interpreter, starting its workers as fresh
+    interpreters; warm=False on a python command, and an environment that changes what
+    torch reads at import (TORCH_DISTRIBUTED_DEBUG...), start a fresh interpreter.
     LLM_GUIDE_COLD_LAUNCH=1 starts a fresh one for every launch."""
     cmd = [str(c) for c in cmd]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
@@ -157,7 +165,7 @@ def run(cmd: list[str], *, timeout: float = 300, cwd: Path = REPO, env: dict | N
 def warm_launch(cmd: list[str], env: dict, warm: bool):
     """What the zygote is to launch for cmd, or None when cmd needs a fresh interpreter."""
     global _zygote
-    launch = as_launch(cmd) if warm and not os.environ.get("LLM_GUIDE_COLD_LAUNCH") else None
+    launch = None if os.environ.get("LLM_GUIDE_COLD_LAUNCH") else as_launch(cmd) if warm else torchrun_itself(cmd)
     if launch is not None and _zygote is None:
         _zygote = Zygote(REPO)
     return launch if launch is not None and _zygote.can_run(env) else None

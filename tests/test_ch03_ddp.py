@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import REPO, SMALL_CORPUS_FLAGS, TINY, free_port, python_cmd, read_json, \
-    read_jsonl, run, shuffled_epochs, small_corpus, torchrun_cmd, training_order
+    read_jsonl, run, shuffled_epochs, small_corpus, start, torchrun_cmd, training_order
 from pages import readme_command
 
 SCRIPT = "03-ddp/train_llm.py"
@@ -101,10 +101,8 @@ def two_nodes(tmp_path_factory):
                                                    "--activation-checkpointing"))]
     logs_dir = tmp_path_factory.mktemp("ch03-nodes-logs")
     logs = [logs_dir / f"node{i}.log" for i in range(2)]
-    with open(logs[0], "w") as out0, open(logs[1], "w") as out1:
-        nodes = [subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                  env={**os.environ, "PYTHONUNBUFFERED": "1"}) for out in (out0, out1)]
-        statuses = [node.wait(timeout=300) for node in nodes]
+    nodes = [start(cmd, log, warm=False) for log in logs]  # torchrun itself, twice
+    statuses = [node.wait(timeout=300) for node in nodes]
     assert statuses == [0, 0], "\n".join(log.read_text()[-4000:] for log in logs)
     return [log.read_text() for log in logs], save_dir
 
@@ -130,6 +128,7 @@ def test_grad_accumulation_equals_the_larger_batch(accum, ch01_b16):
     assert_same_training(accum[1], ch01_b16)
 
 
+@pytest.mark.long
 def test_two_nodes_with_grad_accumulation_equal_the_global_batch(two_nodes, ch01_b16):
     stdouts, save_dir = two_nodes
     assert [p.name for p in save_dir.iterdir()] == ["nodes-2x4x2"]

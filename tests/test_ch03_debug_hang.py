@@ -11,6 +11,8 @@ import signal
 import subprocess
 import time
 
+import pytest
+
 from conftest import REPO, run, torchrun_cmd
 
 SCRIPT = "03-ddp/debug_hang.py"
@@ -34,6 +36,7 @@ def test_detail_names_the_mismatched_collective_on_both_ranks():
         assert f"Tensor shapes: {mine}vs {theirs}" in line
 
 
+@pytest.mark.long
 def test_a_hang_shows_every_stack_and_detail_names_the_missing_rank():
     timeout = 8
     cmd = [str(c) for c in torchrun_cmd(2, SCRIPT, "--failure", "hang", "--timeout", timeout)]

@@ -42,6 +42,7 @@ def test_summary_reports_the_checkpoint_cost(uninterrupted):
     assert "| checkpoint size" in proc.stdout and "| checkpoint save" in proc.stdout
 
 
+@pytest.mark.long
 def test_torchrun_restart_after_a_crash_continues_exactly(tmp_path, uninterrupted):
     """The README's crash demo, under torchrun itself (its own restart)."""
     proc = run([*readme_command("04-checkpointing/README.md", "--max-restarts=3"),

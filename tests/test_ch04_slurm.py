@@ -39,6 +39,7 @@ def as_slurm_does(pids: list[int], sig: int):
 
 @pytest.mark.parametrize("how, nproc", [("SIGTERM-to-every-process", 3),  # SLURM
                                          ("SIGINT-to-the-group", 2)])  # a terminal's Ctrl-C
+@pytest.mark.long
 def test_a_stop_signal_to_the_whole_job_saves_and_the_rerun_continues_exactly(tmp_path, request, how, nproc):
     reference = request.getfixturevalue("uninterrupted")[1] if nproc == 2 else \
         request.getfixturevalue("uninterrupted_on_3_ranks")

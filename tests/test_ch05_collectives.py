@@ -305,6 +305,7 @@ TINY_4_RANKS = ["--model-preset", "tiny", "--seq-length", "64", "--batch-size", 
                 "--timing-warmup", "0"]
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("nproc", [3, 4], ids=["3-ranks-lr-0.1", "4-ranks"])
 def test_ddp_from_scratch_matches_ddp_to_rounding_on_3_and_4_ranks(tmp_path, nproc):
     """Three or four ranks: the modes add the ranks' gradients in different orders, so in

@@ -295,6 +295,7 @@ def test_every_mode_equals_ddp_bit_for_bit_on_2_ranks(tmp_path):
     assert_the_plan_matches(result)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("nproc", [3, 4], ids=["3-ranks-lr-0.1", "4-ranks"])
 def test_every_mode_equals_ddp_within_the_rounding_bound(tmp_path, nproc):
     """More than 2 ranks: the modes sum the ranks' gradients in other orders, and AdamW

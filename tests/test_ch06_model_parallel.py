@@ -158,6 +158,7 @@ def test_on_3_ranks_a_pipeline_of_uneven_stages(tmp_path):
     assert layouts["pp3-1f1b-torch"]["vs"] == "pp3-1f1b-scratch"
 
 
+@pytest.mark.long
 def test_on_4_ranks_every_layout(tmp_path):
     """pp 4, tp with pp, dp with pp, dp with tp: the 14 layouts of 4 ranks, over 2 steps
     of 16-token samples (3 steps on 2 and 3 ranks)."""

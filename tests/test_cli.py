@@ -22,7 +22,7 @@ from common.cli import base_parser, check_args
 from common.demos import script_parser
 from common.distributed import BACKEND_ENV, backend_for, gpu_sharing_error
 from common.errors import UsageError, fail, run_main
-from conftest import REPO, TINY, chapter_module, load_script, python_cmd, refused, start, torchrun_cmd
+from conftest import REPO, TINY, chapter_module, load_script, python_cmd, refused, run, start, torchrun_cmd
 from warm import children, kill_launch
 
 
@@ -436,10 +436,8 @@ def test_bad_flags_of_torchrun_scripts_are_refused_with_one_line(tmp_path, capsy
 def test_bad_flag_under_torchrun_always_shows_its_line(tmp_path):
     """End to end, under torchrun with 2 processes: whichever rank exits first, the error
     line is there (rank 1 waits for rank 0 to speak). Tried 20 times by hand; once here."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(REPO / "03-ddp/train_llm.py"), "--batch-size", "0", "--save-dir", str(tmp_path)],
-        cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = run(torchrun_cmd(2, "03-ddp/train_llm.py", "--batch-size", 0, "--save-dir", tmp_path),
+               warm=False, check=False, timeout=120)  # torchrun itself
     assert "exitcode  : 2" in proc.stderr  # rank 0 exits with status 2; torchrun stops the other
     # the shell gets torchrun's own status, after its report (what the READMEs say)
     assert proc.returncode == 1 and "ChildFailedError" in proc.stderr

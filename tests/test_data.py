@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import shutil
-import subprocess
 import sys
 import sysconfig
 import time
@@ -23,7 +22,7 @@ from common.data import (BOT, EOT, IGNORE_INDEX, PAD, SPECIAL_TOKENS, DataError,
                          PaddedDataset, build_datasets, check_enough_samples, get_tokenizer,
                          load_tokenizer, open_corpus, split_mask, stdlib_files, token_cache_path,
                          token_dtype, token_files)
-from conftest import REPO, TINY, free_port, python_cmd, run
+from conftest import TINY, free_port, python_cmd, run
 
 VOCAB = 300
 DOCS = {  # relative path -> text; one document per file, several lines each
@@ -361,10 +360,11 @@ def test_unreadable_local_files_are_one_line_data_errors(tmp_path, name, content
         load_corpus(str(path))
     assert message in str(err.value) and "\n" not in str(err.value)
     if name.endswith(".jsonl"):  # datasets' own log handler, as a chapter's process has it
-        code = (f"from common.data import DataError, open_corpus\ntry:\n    open_corpus({str(path)!r}).dataset\n"
-                f"except DataError:\n    pass")
-        proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
-        assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+        script = tmp_path / "open_it.py"
+        script.write_text(f"from common.data import DataError, open_corpus\ntry:\n    open_corpus({str(path)!r}).dataset\n"
+                          f"except DataError:\n    pass\n")
+        proc = run([sys.executable, script])  # a process of its own, as a chapter's
+        assert proc.stderr == "", proc.stderr
 
 
 def test_a_cache_that_cannot_be_written_is_one_line_and_leaves_nothing(corpus_dir, tmp_path, monkeypatch):

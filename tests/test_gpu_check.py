@@ -10,6 +10,8 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
+
 from tools import gpu_check
 from conftest import refused
 
@@ -21,7 +23,7 @@ def test_dry_run_lists_the_steps_and_creates_nothing(tmp_path, capsys):
     assert not out.exists()
     lines = [line for line in text.splitlines() if line.startswith("== ")]
     assert [line.split(":")[0] for line in lines] == ["== gpu tests", "== bench_model"]  # all importable here
-    assert "-m pytest -q -m gpu tests/ --junitxml=" + str(out / "gpu_tests.xml") in lines[0]
+    assert "-m pytest -q -m gpu tests/test_gpu.py --junitxml=" + str(out / "gpu_tests.xml") in lines[0]
     assert ("-m tools.bench_model --presets small base medium --seq-length 1024" in lines[1]
             and "--json " + str(out / "bench_model.json") in lines[1])
     assert "datasets, pytest already importable" in text
@@ -85,6 +87,15 @@ def test_each_target_is_a_figure_the_gpu_suite_records():
     records = set(re.findall(r'record\("(\w+)"', source))
     for _, (section, name, figure), _ in gpu_check.TARGETS:
         assert section == "gpu_tests" and name in records and figure in keys, (name, figure)
+
+
+def test_every_gpu_test_is_in_the_one_file_the_runner_runs():
+    """The runner runs `pytest -m gpu tests/test_gpu.py` (collecting the whole suite only
+    to deselect it cost a GPU machine 10-15 s of CPU): a test marked gpu in another file
+    would never run there."""
+    elsewhere = [p.name for p in Path(__file__).parent.glob("test_*.py")
+                 if p.name != "test_gpu.py" and re.search(r"^(pytestmark\b|@pytest\.mark\.gpu\b)", p.read_text(), re.M)]
+    assert elsewhere == []
 
 
 def test_the_environment_says_what_ran_where():
@@ -174,6 +185,7 @@ def test_a_failed_resolve_ends_the_run(tmp_path):
     assert not (tmp_path / "s").exists()
 
 
+@pytest.mark.long
 def test_the_rehearsal_runs_the_runner_end_to_end_on_the_cpu(tmp_path, monkeypatch, capsys):
     """--rehearsal, where there is no GPU: the runner's own steps as on a GPU machine (one
     test of the suite, picked with -k; the benchmark at CPU sizes) into one folder, the

@@ -323,6 +323,7 @@ def test_the_terminal_gets_a_narrow_table_and_report_md_gets_everything(tmp_path
         if f.is_file():
             assert f"`{f.relative_to(out)}`" in md, f
 
+@pytest.mark.long
 def test_short_real_tour(tmp_path):
     """Two chapters run for real, one launched with python and one with torchrun (tiny
     sizes, 2 steps), then the report: table, plots, logs. Chapter 05's five scripts, each

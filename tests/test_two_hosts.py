@@ -127,6 +127,7 @@ def compare_to(run_dir, ref_dir):
 
 # ---- (a) DDP across two hosts equals chapter 01 with the global batch ---------------------
 
+@pytest.mark.long
 def test_ddp_across_two_hosts_equals_chapter_01(hosts, tmp_path):
     """2 hosts x 2 processes (the README's command), batch 4 each, against chapter 01 with
     batch 16. (2 hosts x 1 process: chapter 04's test below, exactly equal to one machine.)"""
@@ -149,6 +150,7 @@ def test_ddp_across_two_hosts_equals_chapter_01(hosts, tmp_path):
 
 # ---- (b), (c) chapter 04 across two hosts with node-local checkpoints -------------------
 
+@pytest.mark.long
 def test_ch04_on_two_hosts_cut_cable_then_resume_exactly(hosts, uninterrupted):
     """(c) The cable is cut mid-training: every worker on both hosts ends soon after
     --timeout, with one line each; torchrun on the host cut off from rank 0's may then wait
@@ -210,6 +212,7 @@ def test_ch04_on_two_hosts_cut_cable_then_resume_exactly(hosts, uninterrupted):
 
 # ---- (d) a wrong interface or address: every process ends within --timeout, one line each ----
 
+@pytest.mark.long
 def test_a_wrong_interface_or_address_ends_within_the_timeout_with_one_line_each(hosts):
     """The two settings a reader gets by default on two machines: GLOO_SOCKET_IFNAME unset
     (gloo then advertises the host name's address: here the loopback), and torchrun without

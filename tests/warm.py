@@ -30,20 +30,29 @@ def free_port() -> int:
 
 
 def as_launch(cmd: list[str]) -> tuple[int, int, list[str]] | None:
-    """(ranks, restarts, [script, args...]) when the command is one the zygote can run as
-    is: plain `python script.py ...` or `python -m module ...` (0 ranks) or `torchrun --standalone
-    --nproc-per-node=N [--max-restarts=K] script ...` with no other torchrun flag; None
-    for anything else."""
+    """(ranks, restarts, [script, args...]) when the zygote can run the command: plain
+    `python script.py ...` or `python -m module ...` (0 ranks); `torchrun --standalone
+    --nproc-per-node=N [--max-restarts=K] script ...` with no other torchrun flag, as N
+    ranks; any other torchrun command as torchrun itself (`torchrun_itself`). None for
+    anything else."""
     if len(cmd) >= 2 and cmd[0] == sys.executable and cmd[1].endswith(".py"):
         return 0, 0, cmd[1:]
     if len(cmd) >= 3 and cmd[0] == sys.executable and cmd[1] == "-m" and cmd[2] != TORCHRUN[2]:
         return 0, 0, cmd[1:]  # `python -m module ...`: argv starts with "-m"
     if cmd[:4] != TORCHRUN or len(cmd) < 6 or not cmd[4].startswith("--nproc-per-node="):
-        return None
+        return torchrun_itself(cmd)
     ranks, rest, restarts = int(cmd[4].split("=", 1)[1]), cmd[5:], 0
     if rest[0].startswith("--max-restarts="):
         restarts, rest = int(rest[0].split("=", 1)[1]), rest[1:]
-    return (ranks, restarts, rest) if rest and rest[0].endswith(".py") else None
+    return (ranks, restarts, rest) if rest and rest[0].endswith(".py") else torchrun_itself(cmd)
+
+
+def torchrun_itself(cmd: list[str]) -> tuple[int, int, list[str]] | None:
+    """A torchrun command as `python -m torch.distributed.run ...` in a fork of the zygote:
+    the real torchrun (its agent, its restarts, signals and reports), whose interpreter has
+    imported torch already; the workers it starts are fresh interpreters, as always. None
+    for a command that is not torchrun."""
+    return (0, 0, cmd[1:]) if cmd[:3] == TORCHRUN[:3] else None
 
 
 def _stat(pid: int | str) -> list[str] | None:

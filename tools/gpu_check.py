@@ -8,9 +8,10 @@
 
 On the GPU machine it (1) installs what cannot be imported there (`datasets`, say) from
 the wheels brought along in `.whl/` (no registry needed; into a folder of its own, see
-`plan`), (2) runs the GPU test suite (`python -m pytest -q -m gpu tests/`, JUnit XML and
-log), (3) runs the model benchmark in bf16 (`python -m tools.bench_model`, presets small,
-base and medium at sequence 1024, eager and compiled), and (4) writes `results.json`: the
+`plan`), (2) runs the GPU test suite (`python -m pytest -q -m gpu tests/test_gpu.py`,
+the one file that holds it, so that pytest imports no other; JUnit XML and log), (3)
+runs the model benchmark in bf16 (`python -m tools.bench_model`, presets small, base
+and medium at sequence 1024, eager and compiled), and (4) writes `results.json`: the
 device, driver, torch and CUDA versions, the date, each step's outcome and time, and the
 throughput targets met or not. Every file lands in the folder given, which must be new or
 empty. `--rehearsal`, on a machine without a GPU, runs the same steps at sizes a CPU
@@ -114,7 +115,7 @@ def plan(out: Path, missing: list[str], wheels: Path = WHEELS, tests: bool = Tru
         steps.append(Step("install", [py, "-m", "pip", "install", "--no-deps", "--no-index", "--upgrade",
                                       "--target", str(site or SITE)], "install.log", timeout_s=900))
     if tests:
-        steps.append(Step("gpu tests", [py, "-m", "pytest", "-q", "-m", "gpu", "tests/",
+        steps.append(Step("gpu tests", [py, "-m", "pytest", "-q", "-m", "gpu", "tests/test_gpu.py",
                                         f"--junitxml={out / 'gpu_tests.xml'}",
                                         *(["-k", select] if select else [])], "gpu_tests.log",
                           env={"LLM_GUIDE_GPU_RESULTS": str(out),
