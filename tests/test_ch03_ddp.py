@@ -89,15 +89,17 @@ def accum(save_dir):
 
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory):
-    """Two torchrun launchers (one process each, batch 4 x grad-accum 2) meeting through
-    a c10d rendezvous, as two machines would: global batch 2 x 4 x 2 = 16. They also
-    checkpoint activations: recomputing each layer in backward, under DDP and no_sync,
-    must still train exactly what chapter 01 trains without it."""
+    """Two torchrun launchers (two processes each, batch 2 x grad-accum 2) meeting through
+    a c10d rendezvous, as two machines would: ranks 0-1 on one, 2-3 on the other, each
+    with a local rank 0; global batch 4 x 2 x 2 = 16. They also checkpoint activations:
+    recomputing each layer in backward, under DDP and no_sync, must still train exactly
+    what chapter 01 trains without it. (Two real network hosts, one process each:
+    test_two_hosts.py.)"""
     save_dir = tmp_path_factory.mktemp("ch03-nodes")
     port = free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=nodes-{port}",
-           str(REPO / SCRIPT), *map(str, train_args(save_dir, "nodes-2x4x2", 4, "--grad-accum", 2,
+           str(REPO / SCRIPT), *map(str, train_args(save_dir, "nodes-4x2x2", 2, "--grad-accum", 2,
                                                    "--activation-checkpointing"))]
     logs_dir = tmp_path_factory.mktemp("ch03-nodes-logs")
     logs = [logs_dir / f"node{i}.log" for i in range(2)]
@@ -131,13 +133,13 @@ def test_grad_accumulation_equals_the_larger_batch(accum, ch01_b16):
 @pytest.mark.long
 def test_two_nodes_with_grad_accumulation_equal_the_global_batch(two_nodes, ch01_b16):
     stdouts, save_dir = two_nodes
-    assert [p.name for p in save_dir.iterdir()] == ["nodes-2x4x2"]
+    assert [p.name for p in save_dir.iterdir()] == ["nodes-4x2x2"]
     assert len(list(save_dir.rglob("summary.json"))) == 1
-    summary = read_json(save_dir / "nodes-2x4x2" / "summary.json")
-    assert (summary["world_size"], summary["global_batch_size"]) == (2, 16)
+    summary = read_json(save_dir / "nodes-4x2x2" / "summary.json")
+    assert (summary["world_size"], summary["global_batch_size"]) == (4, 16)
     assert summary["activation_checkpointing"]
     assert sum(out.count("outputs in") for out in stdouts) == 1   # rank 0's node only
-    assert_same_training(save_dir / "nodes-2x4x2", ch01_b16)
+    assert_same_training(save_dir / "nodes-4x2x2", ch01_b16)
 
 
 def test_each_rank_trains_on_its_share_of_a_fresh_shuffle_every_epoch(tmp_path):
