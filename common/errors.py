@@ -84,7 +84,6 @@ def explain_peer_failures(resumes: bool = False):
             raise
         first = str(e).strip().splitlines()[0]
         first = first.split("] ", 1)[-1] if first.startswith("[") else first  # no source location
-        rank = os.environ.get("RANK", "0")
         left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0) - int(
             os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
         resume = "; they resume from the last checkpoint" if resumes else ""
@@ -93,7 +92,7 @@ def explain_peer_failures(resumes: bool = False):
         else:
             hint = ("; check that every machine is up and the network between them works, then rerun"
                     + (" the same command: it resumes from the last checkpoint" if resumes else ""))
-        say_error(f"error: rank {rank}: {what} ({first}){hint}")
+        say_error(f"error: rank {os.environ['RANK']}: {what} ({first}){hint}")
         sys.stdout.flush()
         os._exit(1)  # no atexit teardown: it would talk to the peer that is gone
 
@@ -121,7 +120,6 @@ def out_of_memory(e: BaseException) -> bool:
 TRAINING_OOM_ADVICE = ("try a smaller --batch-size (per process), and a larger --grad-accum "
                        "to keep the global batch")
 MODEL_OOM_ADVICE = "try a smaller --batch-size, --seq-length or --model-preset"
-
 
 INTERRUPTED = "stopped where it was; what it logged so far stays, nothing else was saved"
 # chapter 04 outside its training loop (inside it, the loop saves a checkpoint first)
@@ -161,10 +159,14 @@ def run_main(main, oom_advice: str = TRAINING_OOM_ADVICE, resumes: bool = False)
         with explain_peer_failures(resumes):
             return main()
     except (torch.OutOfMemoryError, RuntimeError, ConnectionError, EOFError) as e:
-        # A DataLoader's SIGCHLD handler raises again, anywhere, once it sees its dead
-        # worker (even inside the print below): this process is ending, so not any more.
-        with suppress(ValueError):  # (the main thread only)
+        # A DataLoader's SIGCHLD handler raises again, anywhere, once it sees its dead worker
+        # (in the print below, or at the call that turns it off: the same death, its words).
+        try:
+            with suppress(ValueError):  # (the main thread only)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        except RuntimeError as in_torchs_words:
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            e = in_torchs_words
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if dataloader_worker_died(e):
             # "exited unexpectedly" may carry the signal that killed it in its cause

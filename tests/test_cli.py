@@ -367,6 +367,31 @@ def test_real_memory_failures_are_one_line(case):
     assert proc.stderr.startswith(starts) and says in proc.stderr, proc.stderr
 
 
+def test_a_worker_death_torch_says_while_its_handler_is_turned_off_is_one_line(tmp_path):
+    """torch's SIGCHLD handler raises wherever the main thread is when it sees the dead
+    worker: once (in the real case above, about one run in a hundred) at the very call
+    of run_main's that turns it off. Its error is the line then, exit status 1."""
+    script = tmp_path / "dies.py"
+    script.write_text("""
+import signal
+from common.errors import run_main
+real = signal.signal
+def turning_off(sig, handler):  # the handler gets in at this call
+    if sig == signal.SIGCHLD and handler == signal.SIG_DFL:
+        signal.signal = real
+        raise RuntimeError("DataLoader worker (pid 12345) is killed by signal: Killed. ")
+    return real(sig, handler)
+signal.signal = turning_off
+def main():
+    raise EOFError  # the pipe the worker held, as in the real case
+run_main(main)
+""")
+    proc = run([sys.executable, script], check=False)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
+    assert proc.stderr.startswith("error: a DataLoader worker died (DataLoader worker (pid 12345) is killed "
+                                  "by signal: Killed)"), proc.stderr
+
+
 def test_a_rank_told_to_stop_while_it_waits_to_speak_stays_silent(tmp_path):
     """Rank 1 failing waits before it speaks (`fail`); torchrun, which saw rank 0 fail,
     sends it SIGTERM then. Even with chapter 04's handler installed, which only notes a
