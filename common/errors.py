@@ -84,8 +84,7 @@ def explain_peer_failures(resumes: bool = False):
             raise
         first = str(e).strip().splitlines()[0]
         first = first.split("] ", 1)[-1] if first.startswith("[") else first  # no source location
-        left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0) - int(
-            os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+        left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0) - int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
         resume = "; they resume from the last checkpoint" if resumes else ""
         if left > 0:  # torchrun --max-restarts: it starts the workers again itself
             hint = f"; torchrun starts the workers again ({left} restart{'s' if left > 1 else ''} left{resume})"
@@ -158,9 +157,10 @@ def run_main(main, oom_advice: str = TRAINING_OOM_ADVICE, resumes: bool = False)
             signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
         with explain_peer_failures(resumes):
             return main()
-    except (torch.OutOfMemoryError, RuntimeError, ConnectionError, EOFError) as e:
-        # A DataLoader's SIGCHLD handler raises again, anywhere, once it sees its dead worker
-        # (in the print below, or at the call that turns it off: the same death, its words).
+    except (torch.OutOfMemoryError, RuntimeError, ConnectionError, EOFError) as raised:
+        # A DataLoader's SIGCHLD handler raises anywhere once it sees its dead worker: not any
+        # more (at this very call, maybe: then it says the same death, in torch's words)
+        e = raised
         try:
             with suppress(ValueError):  # (the main thread only)
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)

@@ -165,7 +165,9 @@ def run(cmd: list[str], *, timeout: float = 300, cwd: Path = REPO, env: dict | N
 def warm_launch(cmd: list[str], env: dict, warm: bool):
     """What the zygote is to launch for cmd, or None when cmd needs a fresh interpreter."""
     global _zygote
-    launch = None if os.environ.get("LLM_GUIDE_COLD_LAUNCH") else as_launch(cmd) if warm else torchrun_itself(cmd)
+    if os.environ.get("LLM_GUIDE_COLD_LAUNCH"):
+        return None
+    launch = as_launch(cmd) if warm else torchrun_itself(cmd)
     if launch is not None and _zygote is None:
         _zygote = Zygote(REPO)
     return launch if launch is not None and _zygote.can_run(env) else None

@@ -369,8 +369,8 @@ def test_real_memory_failures_are_one_line(case):
 
 def test_a_worker_death_torch_says_while_its_handler_is_turned_off_is_one_line(tmp_path):
     """torch's SIGCHLD handler raises wherever the main thread is when it sees the dead
-    worker: once (in the real case above, about one run in a hundred) at the very call
-    of run_main's that turns it off. Its error is the line then, exit status 1."""
+    worker: once (in the real case above, in one run of the suite) at the very call of
+    run_main's that turns it off. Its error is the line then, exit status 1."""
     script = tmp_path / "dies.py"
     script.write_text("""
 import signal

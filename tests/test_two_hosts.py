@@ -108,11 +108,11 @@ def wait_for_step(metrics, step, procs, timeout=120):
         time.sleep(0.02)
 
 
-# ---- (b), (c) chapter 04 across two hosts with node-local checkpoints -------------------
+# ---- (a), (b) chapter 04 across two hosts with node-local checkpoints -------------------
 
 @pytest.mark.long
 def test_ch04_on_two_hosts_cut_cable_then_resume_exactly(hosts, uninterrupted):
-    """(c) The cable is cut mid-training: every worker on both hosts ends soon after
+    """(a) The cable is cut mid-training: every worker on both hosts ends soon after
     --timeout, with one line each; torchrun on the host cut off from rank 0's may then wait
     on its rendezvous for minutes, and is stopped as SLURM stops a job step (SIGTERM, then
     SIGKILL: 04-checkpointing/README.md). (b) After the cable is back, the rerun resumes
@@ -125,7 +125,7 @@ def test_ch04_on_two_hosts_cut_cable_then_resume_exactly(hosts, uninterrupted):
     ckpt1, ckpt2 = hosts.save_dir(0) / NAME / "checkpoints", hosts.save_dir(1) / NAME / "checkpoints"
     metrics = hosts.save_dir(0) / NAME / "metrics.jsonl"
 
-    # (c) the cut cable
+    # (a) the cut cable
     procs, logs = start_both(hosts, CH04, args, tag="cut")
     wait_for_step(metrics, FREQ + 2, procs)
     cut_link(hosts)
@@ -170,7 +170,7 @@ def test_ch04_on_two_hosts_cut_cable_then_resume_exactly(hosts, uninterrupted):
     assert_same_as_uninterrupted(hosts.save_dir(0) / NAME, uninterrupted[1])
 
 
-# ---- (d) a wrong interface or address: every process ends within --timeout, one line each ----
+# ---- (c) a wrong interface or address: every process ends within --timeout, one line each ----
 
 @pytest.mark.long
 def test_a_wrong_interface_or_address_ends_within_the_timeout_with_one_line_each(hosts):

@@ -23,6 +23,7 @@ import runpy
 import select
 import signal
 import sys
+import threading
 import time
 
 from warm import free_port  # this folder is on the path: the script's own
@@ -89,7 +90,6 @@ def exit_as_python_does(code: int) -> None:
     every object torch made, copying each page of them into this fork: 0.4 s of CPU per
     process, 1.5 s once the frozen objects are unfrozen (and left frozen, objects of
     extension modules outlive their module: triton's bindings print a leak report)."""
-    import threading
     threading._shutdown()
     atexit._run_exitfuncs()
     gc.collect()  # what the script made and left (the frozen imports are not walked)
