@@ -135,23 +135,25 @@ def _warm_interpreter():
 
 
 def run(cmd: list[str], *, timeout: float = 300, cwd: Path = REPO, env: dict | None = None,
-        check: bool = True, warm: bool = True) -> subprocess.CompletedProcess:
+        check: bool = True, warm: bool = True, fresh_workers: bool = False) -> subprocess.CompletedProcess:
     """Run a command; stdout and stderr kept apart; on an unexpected status, fail with
     the output so the log says why. `python script ...` and `torchrun --standalone
     --nproc-per-node=N [--max-restarts=K] script ...` run as forks of one interpreter
     that has imported torch already (tests/zygote.py: the script, its arguments,
     environment, ranks and restart count are the same; what is saved is `import torch`
     in every process). warm=False runs torchrun itself, for the tests of what torchrun
-    does (signals to its group, a restart after a crash, its exit status and messages):
-    the real torchrun in a fork of that interpreter, starting its workers as fresh
-    interpreters; warm=False on a python command, and an environment that changes what
-    torch reads at import (TORCH_DISTRIBUTED_DEBUG...), start a fresh interpreter.
-    LLM_GUIDE_COLD_LAUNCH=1 starts a fresh one for every launch."""
+    does (its rendezvous, signals to its group, a restart after a crash, its exit status
+    and messages): the real torchrun in a fork of that interpreter, which starts each
+    worker as a fork of itself (fresh_workers=True: as fresh interpreters, for what
+    happens while they import torch); warm=False on a python command, and an environment
+    that changes what torch reads at import (TORCH_DISTRIBUTED_DEBUG...), start a fresh
+    interpreter. LLM_GUIDE_COLD_LAUNCH=1 starts a fresh one for every launch."""
     cmd = [str(c) for c in cmd]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     launch = warm_launch(cmd, full_env, warm)
     if launch is not None:
-        code, out, err = _zygote.run(*launch, cwd=cwd, env=full_env, timeout=timeout)
+        code, out, err = _zygote.run(*launch, cwd=cwd, env=full_env, timeout=timeout,
+                                     fresh_workers=fresh_workers)
         proc = subprocess.CompletedProcess(cmd, code, out, err)
     else:
         proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True,
@@ -173,7 +175,8 @@ def warm_launch(cmd: list[str], env: dict, warm: bool):
     return launch if launch is not None and _zygote.can_run(env) else None
 
 
-def start(cmd: list[str], log: Path, *, env: dict | None = None, warm: bool = True, cwd: Path = REPO):
+def start(cmd: list[str], log: Path, *, env: dict | None = None, warm: bool = True, cwd: Path = REPO,
+          fresh_workers: bool = False):
     """Start a command that the test acts on while it runs (signals, kills); stdout and
     stderr appended to `log`. Popen-like (pid, poll, wait, returncode), as `run` chooses:
     a launch of the warm interpreter, whose ranks are the launcher's children in sessions
@@ -182,7 +185,8 @@ def start(cmd: list[str], log: Path, *, env: dict | None = None, warm: bool = Tr
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     launch = warm_launch(cmd, full_env, warm)
     if launch is not None:
-        pid = _zygote.start(*launch, cwd=cwd, env=full_env, stdout=log, stderr=log)
+        pid = _zygote.start(*launch, cwd=cwd, env=full_env, stdout=log, stderr=log,
+                            fresh_workers=fresh_workers)
         return WarmJob(_zygote, pid, cmd)
     with open(log, "a") as out:
         return subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=out, stderr=subprocess.STDOUT,

@@ -591,7 +591,7 @@ def test_ctrl_c_while_torch_is_imported_is_one_line(tmp_path, launch):
         cmd, interpreters = python_cmd(CHAPTER_SCRIPTS[0], *TINY, "--save-dir", tmp_path), 1
     else:
         cmd, interpreters = torchrun_cmd(2, CHAPTER_SCRIPTS[2], *TINY, "--save-dir", tmp_path), 2
-    job = start(cmd, tmp_path / "log", warm=False)
+    job = start(cmd, tmp_path / "log", warm=False, fresh_workers=True)
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:

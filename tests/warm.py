@@ -49,8 +49,9 @@ def as_launch(cmd: list[str]) -> tuple[int, int, list[str]] | None:
 
 def torchrun_itself(cmd: list[str]) -> tuple[int, int, list[str]] | None:
     """A torchrun command as `python -m torch.distributed.run ...` in a fork of the zygote:
-    the real torchrun (its agent, its restarts, signals and reports), whose interpreter has
-    imported torch already; the workers it starts are fresh interpreters, as always. None
+    the real torchrun (its agent, its rendezvous, restarts, signals and reports), whose
+    interpreter has imported torch already, and so have its workers: each is a fork of
+    torchrun's process (zygote.ForkedWorker) unless the launch asks for fresh ones. None
     for a command that is not torchrun."""
     return (0, 0, cmd[1:]) if cmd[:3] == TORCHRUN[:3] else None
 
@@ -136,10 +137,12 @@ class Zygote:
         return import_time_settings(env) == self.settings
 
     def start(self, nproc: int, restarts: int, argv: list[str], *, cwd, env: dict,
-              stdout: Path, stderr: Path) -> int:
-        """Launch and return the launcher's pid at once; output appended to the files."""
+              stdout: Path, stderr: Path, fresh_workers: bool = False) -> int:
+        """Launch and return the launcher's pid at once; output appended to the files.
+        fresh_workers: torchrun itself starts its workers as new interpreters."""
         request = {"nproc": nproc, "max_restarts": restarts, "argv": argv, "cwd": str(cwd),
-                   "env": env, "stdout": str(stdout), "stderr": str(stderr), "port": free_port()}
+                   "env": env, "stdout": str(stdout), "stderr": str(stderr), "port": free_port(),
+                   "fork_workers": not fresh_workers}
         self.started = None
         self.proc.stdin.write((json.dumps(request) + "\n").encode())
         self.proc.stdin.flush()
@@ -160,10 +163,12 @@ class Zygote:
                 raise subprocess.TimeoutExpired(str(pid), timeout)
         return self.statuses.pop(pid)
 
-    def run(self, nproc: int, restarts: int, argv: list[str], *, cwd, env: dict, timeout: float | None):
+    def run(self, nproc: int, restarts: int, argv: list[str], *, cwd, env: dict, timeout: float | None,
+            fresh_workers: bool = False):
         with tempfile.TemporaryDirectory() as tmp:
             out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-            pid = self.start(nproc, restarts, argv, cwd=cwd, env=env, stdout=out, stderr=err)
+            pid = self.start(nproc, restarts, argv, cwd=cwd, env=env, stdout=out, stderr=err,
+                             fresh_workers=fresh_workers)
             try:
                 code, timed_out = self.wait(pid, timeout), False
             except subprocess.TimeoutExpired:

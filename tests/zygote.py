@@ -17,11 +17,14 @@ its children are the ranks (tests/warm.py: kill_launch stops them all)."""
 import atexit
 import gc
 import importlib
+import inspect
+import io
 import json
 import os
 import runpy
 import select
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -40,6 +43,7 @@ COMMON = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 PRELOAD += sorted(f"common.{name[:-3]}" for name in os.listdir(COMMON)
                   if name.endswith(".py") and name != "__init__.py")
 STARTUP_PATH = list(sys.path)  # [this folder, the interpreter's own entries...]
+EXECUTE_CHILD = list(inspect.signature(subprocess.Popen._execute_child).parameters)[1:]
 RANK_GRACE_S = 30  # torchrun's default grace between SIGTERM and SIGKILL of the others
 STOPPED = []  # signals the launcher got (a launcher process serves one launch)
 
@@ -51,6 +55,9 @@ def become(request: dict, env: dict) -> None:
     os.environ.clear()
     os.environ.update(env)
     os.chdir(request["cwd"])
+    if request.get("fork_workers") and request["argv"][:2] == ["-m", "torch.distributed.run"]:
+        from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
+        subprocess_handler.Popen = ForkedWorker  # what torchrun's agent starts its workers with
     try:
         if request["argv"][0] == "-m":  # `python -m module args`: the current folder on the path
             sys.argv = [request["argv"][1], *request["argv"][2:]]
@@ -99,6 +106,62 @@ def exit_as_python_does(code: int) -> None:
         except (OSError, ValueError):
             pass
     os._exit(code)
+
+
+class ForkedWorker(subprocess.Popen):
+    """How torchrun, itself run in a fork of this interpreter, starts a worker: its
+    command `python -u script args` becomes a fork of torchrun's own process that runs the
+    script as that command would, in a session of its own, with torchrun's environment
+    and output files, every other descriptor closed and the signals as a new interpreter
+    has them; so the worker has imported torch already. Anything else (another command,
+    descriptors to pass on, a torchrun that added exit handlers this fork would run)
+    starts as usual."""
+
+    def _execute_child(self, *args):
+        a = dict(zip(EXECUTE_CHILD, args))
+        argv, fds = list(a["args"]), (a["p2cread"], a["c2pwrite"], a["errwrite"])
+        if argv[:2] != [sys.executable, "-u"] or len(argv) < 3 or not argv[2].endswith(".py") \
+                or a["pass_fds"] or a["preexec_fn"] or a["shell"] or {0, 1, 2} & set(fds) \
+                or atexit._ncallbacks() != EXIT_HOOKS:
+            return super()._execute_child(*args)
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        pid = os.fork()
+        if pid == 0:
+            be_worker(argv[2:], a["cwd"] or os.getcwd(), a["env"], fds, a["start_new_session"])
+        self.pid, self._child_created = pid, True
+        self._close_pipe_fds(a["p2cread"], a["p2cwrite"], a["c2pread"], a["c2pwrite"],
+                             a["errread"], a["errwrite"])
+
+
+KEPT = []  # torchrun's streams in a forked worker: their descriptors are closed, never finalize them
+
+
+def be_worker(argv: list[str], cwd: str, env: dict, fds: tuple, new_session: bool) -> None:
+    """In the fork: torchrun's worker process, as exec would have made it."""
+    try:
+        if new_session:
+            os.setsid()
+        for fd, target in zip(fds, (0, 1, 2)):
+            if fd != -1:
+                os.dup2(fd, target)
+        gc.freeze()  # torchrun's objects: never collected here (nor their descriptors closed)
+        os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # as Popen's close_fds
+        for sig in signal.valid_signals():
+            if callable(signal.getsignal(sig)):
+                signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        KEPT.extend((sys.stdin, sys.stdout, sys.stderr))
+        sys.stdin = sys.__stdin__ = open(0, closefd=False)
+        # `python -u`: the text layer right over the descriptor, written through
+        sys.stdout = sys.__stdout__ = io.TextIOWrapper(
+            io.FileIO(1, "w", closefd=False), encoding=KEPT[-2].encoding, write_through=True)
+        sys.stderr = sys.__stderr__ = io.TextIOWrapper(
+            io.FileIO(2, "w", closefd=False), encoding=KEPT[-1].encoding,
+            errors="backslashreplace", write_through=True)
+        become({"argv": argv, "cwd": cwd}, env)
+    finally:
+        os._exit(1)
 
 
 def redirect(request: dict) -> None:
@@ -250,4 +313,5 @@ if __name__ == "__main__":
     # fork's collections do not walk those objects (touching their pages copies them into
     # the fork): half the CPU a short launch of two ranks costs (3.4 -> 1.8 s)
     gc.freeze()
+    EXIT_HOOKS = atexit._ncallbacks()
     serve()
