@@ -176,20 +176,25 @@ def warm_launch(cmd: list[str], env: dict, warm: bool):
 
 
 def start(cmd: list[str], log: Path, *, env: dict | None = None, warm: bool = True, cwd: Path = REPO,
-          fresh_workers: bool = False):
+          fresh_workers: bool = False, netns: str | None = None, err_log: Path | None = None):
     """Start a command that the test acts on while it runs (signals, kills); stdout and
-    stderr appended to `log`. Popen-like (pid, poll, wait, returncode), as `run` chooses:
-    a launch of the warm interpreter, whose ranks are the launcher's children in sessions
-    of their own as torchrun's workers are, or the command itself in a new session."""
+    stderr appended to `log` (stderr to `err_log`, if given). Popen-like (pid, poll, wait,
+    returncode, terminate, kill), as `run` chooses: a launch of the warm interpreter, whose
+    ranks are the launcher's children in sessions of their own as torchrun's workers are,
+    or the command itself in a new session. netns: inside that network namespace, as `ip
+    netns exec` runs it."""
     cmd = [str(c) for c in cmd]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    for path in filter(None, (log, err_log)):
+        Path(path).touch()  # there to read at once (the launch opens it in its own time)
     launch = warm_launch(cmd, full_env, warm)
     if launch is not None:
-        pid = _zygote.start(*launch, cwd=cwd, env=full_env, stdout=log, stderr=log,
-                            fresh_workers=fresh_workers)
+        pid = _zygote.start(*launch, cwd=cwd, env=full_env, stdout=log, stderr=err_log or log,
+                            fresh_workers=fresh_workers, netns=netns)
         return WarmJob(_zygote, pid, cmd)
-    with open(log, "a") as out:
-        return subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=out, stderr=subprocess.STDOUT,
+    with open(log, "a") as out, open(err_log or os.devnull, "a") as err:
+        return subprocess.Popen([*(["ip", "netns", "exec", netns] if netns else []), *cmd], cwd=cwd,
+                                env=full_env, stdout=out, stderr=err if err_log else subprocess.STDOUT,
                                 start_new_session=True)
 
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
 import time
 
 import pytest
 
-from conftest import REPO, run, torchrun_cmd
+from conftest import REPO, run, start, torchrun_cmd
+from warm import kill_launch
 
 SCRIPT = "03-ddp/debug_hang.py"
 DETAIL = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
@@ -37,29 +37,29 @@ def test_detail_names_the_mismatched_collective_on_both_ranks():
 
 
 @pytest.mark.long
-def test_a_hang_shows_every_stack_and_detail_names_the_missing_rank():
+def test_a_hang_shows_every_stack_and_detail_names_the_missing_rank(tmp_path):
     timeout = 8
-    cmd = [str(c) for c in torchrun_cmd(2, SCRIPT, "--failure", "hang", "--timeout", timeout)]
-    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1", **DETAIL},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cmd = torchrun_cmd(2, SCRIPT, "--failure", "hang", "--timeout", timeout)
+    out_log, err_log = tmp_path / "stdout", tmp_path / "stderr"
+    job = start(cmd, out_log, err_log=err_log, env=DETAIL)
     try:
-        lines = []
-        for line in proc.stdout:  # up to rank 0's last step: it now waits for rank 1
-            lines.append(line)
-            if line.startswith("step 2"):
-                break
-        pids = [int(p) for p in re.findall(r"rank \d=(\d+)", "".join(lines))]
-        assert len(pids) == 2, "".join(lines)
+        deadline = time.monotonic() + 120
+        while "\nstep 2" not in out_log.read_text():  # rank 0's last step: it now waits for rank 1
+            assert job.poll() is None and time.monotonic() < deadline, out_log.read_text()
+            time.sleep(0.05)
+        pids = [int(p) for p in re.findall(r"rank \d=(\d+)", out_log.read_text())]
+        assert len(pids) == 2, out_log.read_text()
         time.sleep(1.5)  # rank 1 leaves its last step and sits in validate()
         t0 = time.perf_counter()
-        for pid in pids:  # one after another: two dumps at once into one pipe would splice
+        for pid in pids:  # one after another: two dumps at once into one file would splice
             os.kill(pid, signal.SIGUSR1)
             time.sleep(0.5)
-        out, err = proc.communicate(timeout=120)
+        job.wait(timeout=120)
         waited = time.perf_counter() - t0
     finally:
-        proc.kill()
-    assert proc.returncode != 0
+        kill_launch(job.pid)
+    out, err = out_log.read_text(), err_log.read_text()
+    assert job.returncode != 0
     # both ranks printed their stacks and went on: rank 0 inside the all-reduce of
     # train_step, rank 1 in validate
     stacks = err.split("Current thread ")[1:]

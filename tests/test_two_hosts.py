@@ -24,7 +24,7 @@ import pytest
 from tools.two_hosts import HostError, create_hosts, cut_link, host_pids, in_host, restore_link, \
     teardown as remove_hosts, torchrun_argv
 from ch04_runs import FREQ, NAME, assert_same_as_uninterrupted, flags as ch04_flags
-from conftest import TINY
+from conftest import TINY, start
 
 CH03, CH04 = "03-ddp/train_llm.py", "04-checkpointing/train_llm.py"
 TIMEOUT = 8            # --timeout in the cable and name tests (seconds; short, yet safe on a busy CI machine)
@@ -56,8 +56,10 @@ def hosts(tmp_path_factory, guide_cache):
 
 
 def start_both(hosts, script, args, *, nproc=1, env=None, local_addrs=None, tag="run"):
-    """Each host's torchrun, as a reader types it on two machines; output into a log
-    file per host. Returns (processes, log paths)."""
+    """Each host's torchrun, as a reader types it on two machines, with what
+    tools.two_hosts.in_host gives it (the host's namespace, its cache, the repository as
+    the folder), through the suite's launcher (conftest.start: torchrun itself, inside
+    the namespace); output into a log file per host. Returns (jobs, log paths)."""
     port, procs, logs = next(ports), [], []
     for i in range(2):
         argv = torchrun_argv(hosts, i, script, list(map(str, args)), port=port,
@@ -67,9 +69,8 @@ def start_both(hosts, script, args, *, nproc=1, env=None, local_addrs=None, tag=
                     if a.startswith("--local-addr=") else a for a in argv]
             argv = [a for a in argv if a is not None]
         log = hosts.dirs[i] / f"{tag}-{port}.log"
-        with open(log, "w") as out:
-            procs.append(in_host(hosts, i, argv, env={"GLOO_SOCKET_IFNAME": hosts.ifname, **(env or {})},
-                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+        procs.append(start(argv, log, warm=False, netns=hosts.names[i], env={
+            "LLM_GUIDE_CACHE": str(hosts.cache(i)), "GLOO_SOCKET_IFNAME": hosts.ifname, **(env or {})}))
         logs.append(log)
     return procs, logs
 

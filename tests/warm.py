@@ -18,9 +18,11 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-# Variables torch or its libraries read when imported (TORCH_DISTRIBUTED_DEBUG, TORCH_LOGS,
-# thread settings...): a launch that sets them differently needs a fresh interpreter.
+# Variables torch or its libraries read when imported (TORCH_LOGS, thread settings...): a
+# launch that sets them differently needs a fresh interpreter. TORCH_DISTRIBUTED_DEBUG too,
+# but each fork reads it again as `import torch.distributed` does (zygote.become).
 READ_AT_IMPORT = ("TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS")
+READ_AGAIN = ("TORCH_DISTRIBUTED_DEBUG",)
 
 
 def free_port() -> int:
@@ -101,7 +103,7 @@ def kill_launch(pid: int) -> None:
 
 
 def import_time_settings(env: dict) -> dict:
-    return {k: v for k, v in env.items() if k.startswith(READ_AT_IMPORT)}
+    return {k: v for k, v in env.items() if k.startswith(READ_AT_IMPORT) and k not in READ_AGAIN}
 
 
 class Zygote:
@@ -137,12 +139,13 @@ class Zygote:
         return import_time_settings(env) == self.settings
 
     def start(self, nproc: int, restarts: int, argv: list[str], *, cwd, env: dict,
-              stdout: Path, stderr: Path, fresh_workers: bool = False) -> int:
+              stdout: Path, stderr: Path, fresh_workers: bool = False, netns: str | None = None) -> int:
         """Launch and return the launcher's pid at once; output appended to the files.
-        fresh_workers: torchrun itself starts its workers as new interpreters."""
+        fresh_workers: torchrun itself starts its workers as new interpreters. netns: in
+        that network namespace, as `ip netns exec NETNS` would run it."""
         request = {"nproc": nproc, "max_restarts": restarts, "argv": argv, "cwd": str(cwd),
                    "env": env, "stdout": str(stdout), "stderr": str(stderr), "port": free_port(),
-                   "fork_workers": not fresh_workers}
+                   "fork_workers": not fresh_workers, "netns": netns}
         self.started = None
         self.proc.stdin.write((json.dumps(request) + "\n").encode())
         self.proc.stdin.flush()
@@ -187,7 +190,8 @@ class Zygote:
 
 class WarmJob:
     """A launch of the zygote as far as a test uses subprocess.Popen: pid (the launcher's,
-    the ranks are its children), poll(), wait(timeout), returncode."""
+    the ranks are its children), poll(), wait(timeout), returncode, send_signal(sig),
+    terminate(), kill()."""
 
     def __init__(self, zygote: Zygote, pid: int, args: list[str]):
         self.zygote, self.pid, self.args, self.returncode = zygote, pid, args, None
@@ -201,3 +205,13 @@ class WarmJob:
         if self.returncode is None:
             self.returncode = self.zygote.wait(self.pid, timeout)
         return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)

@@ -15,6 +15,7 @@ code is the exit status, or -signal. The pid is the launcher's (a process group 
 its children are the ranks (tests/warm.py: kill_launch stops them all)."""
 
 import atexit
+import ctypes
 import gc
 import importlib
 import inspect
@@ -54,6 +55,7 @@ def become(request: dict, env: dict) -> None:
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     os.environ.clear()
     os.environ.update(env)
+    torch.distributed.set_debug_level_from_env()  # TORCH_DISTRIBUTED_DEBUG, read at import
     os.chdir(request["cwd"])
     if request.get("fork_workers") and request["argv"][:2] == ["-m", "torch.distributed.run"]:
         from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
@@ -164,6 +166,36 @@ def be_worker(argv: list[str], cwd: str, env: dict, fds: tuple, new_session: boo
         os._exit(1)
 
 
+CLONE_NEWNS, CLONE_NEWNET = 0x00020000, 0x40000000
+MS_BIND, MS_REC, MS_SLAVE, MNT_DETACH = 0x1000, 0x4000, 0x80000, 2
+
+
+def enter_host(name: str) -> None:
+    """What `ip netns exec NAME` does before it runs its command (iproute2's netns_switch):
+    join the network namespace NAME, then, in a mount namespace of its own, mount a /sys
+    that shows NAME's interfaces and /etc/netns/NAME/* over /etc/* (the host's own
+    /etc/hosts: tools/two_hosts.py)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(result: int, what: str) -> None:
+        if result != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"{what}: {os.strerror(err)}")
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        check(libc.setns(fd, CLONE_NEWNET), f"setns {name}")
+    finally:
+        os.close(fd)
+    check(libc.unshare(CLONE_NEWNS), "unshare")
+    check(libc.mount(b"", b"/", b"none", MS_SLAVE | MS_REC, None), "mount --make-rslave /")
+    if libc.umount2(b"/sys", MNT_DETACH) == 0:  # as ip does: no sysfs there is fine
+        check(libc.mount(name.encode(), b"/sys", b"sysfs", 0, None), "mount sysfs")
+    etc = f"/etc/netns/{name}"
+    for entry in sorted(os.listdir(etc)) if os.path.isdir(etc) else []:
+        check(libc.mount(f"{etc}/{entry}".encode(), f"/etc/{entry}".encode(), None, MS_BIND, None),
+              f"bind {etc}/{entry}")
+
+
 def redirect(request: dict) -> None:
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
@@ -251,6 +283,8 @@ def start(request: dict) -> int:
     try:
         os.setpgid(0, 0)
         redirect(request)
+        if request.get("netns"):
+            enter_host(request["netns"])
         if request["nproc"] == 0:
             become(request, request["env"])
         signal.set_wakeup_fd(-1)
@@ -309,6 +343,7 @@ if __name__ == "__main__":
     sys.path.insert(0, sys.argv[1])  # the repo
     for name in PRELOAD:
         importlib.import_module(name)
+    import torch.distributed
     # What the imports made lives as long as every fork: out of the collector's reach, a
     # fork's collections do not walk those objects (touching their pages copies them into
     # the fork): half the CPU a short launch of two ranks costs (3.4 -> 1.8 s)
