@@ -19,10 +19,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 # Variables torch or its libraries read when imported (TORCH_LOGS, thread settings...): a
-# launch that sets them differently needs a fresh interpreter. TORCH_DISTRIBUTED_DEBUG too,
-# but each fork reads it again as `import torch.distributed` does (zygote.become).
+# launch that sets them differently needs a fresh interpreter. Two of them a fork reads
+# afresh: TORCH_DISTRIBUTED_DEBUG (zygote.become reads it again, as `import
+# torch.distributed` does) and TORCHINDUCTOR_CACHE_DIR (read whenever inductor needs its
+# cache; importing inductor sets it, so a test process has it once anything imported it).
 READ_AT_IMPORT = ("TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS")
-READ_AGAIN = ("TORCH_DISTRIBUTED_DEBUG",)
+READ_AGAIN = ("TORCH_DISTRIBUTED_DEBUG", "TORCHINDUCTOR_CACHE_DIR")
 
 
 def free_port() -> int:
