@@ -167,9 +167,10 @@ def test_resume_with_another_world_size_but_the_same_global_batch(tmp_path, cras
     """Saved by 2 processes x batch 4, resumed by 1 process x batch 8: global batch k is
     the same samples either way, so the run continues where it stopped. One process
     averages the gradient in one sum instead of two, so the match is to float rounding,
-    not to the bit."""
+    not to the bit. In a fresh interpreter, as a reader starts it: the one run of this
+    chapter's script that imports everything itself (the others are forks, tests/zygote.py)."""
     run_dir = copy_run(crashed[1], tmp_path)
-    proc = run(python_cmd(SCRIPT, *flags(tmp_path, "--batch-size", 8)))
+    proc = run(python_cmd(SCRIPT, *flags(tmp_path, "--batch-size", 8)), warm=False)
     assert f"resumed from {run_dir / 'checkpoints' / step_dir(6)}: step 6" in proc.stdout
     got, ref = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(uninterrupted[1] / "metrics.jsonl")
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
