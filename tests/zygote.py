@@ -162,6 +162,9 @@ def be_worker(argv: list[str], cwd: str, env: dict, fds: tuple, new_session: boo
             io.FileIO(2, "w", closefd=False), encoding=KEPT[-1].encoding,
             errors="backslashreplace", write_through=True)
         become({"argv": argv, "cwd": cwd}, env)
+    except BaseException:  # the fork itself broke, before the script ran: say so where torchrun reads
+        import traceback
+        traceback.print_exc()
     finally:
         os._exit(1)
 
