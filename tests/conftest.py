@@ -25,10 +25,30 @@ TINY = ["--model-preset", "tiny", "--seq-length", "64", "--batch-size", "4",
 
 
 def pytest_collection_modifyitems(items):
-    """The tests marked `long` first, the others in file order: under pytest-xdist a long
-    test that starts last runs on while the other workers have nothing left to do; started
-    first, the short tests fill the cores around it."""
-    items.sort(key=lambda item: item.get_closest_marker("long") is None)
+    """The order the tests start in, the others in file order. A `long` test that started
+    last would run on while the other workers have nothing left to do, so the long tests
+    start first, and the short ones fill the cores around them. Under pytest-xdist's
+    worksteal, worker k is first handed the k-th of W equal slices of this order (it
+    steals from the others once its own slice is done); so each slice opens with its
+    share of the long tests, and the first slice with the ones that mostly `wait` (for a
+    timeout, a cut cable): those sleep while the other workers' first tests, several
+    ranks each, keep the cores busy. Any other split still starts the long tests early."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+    waiting = [i for i in items if i.get_closest_marker("waits")]
+    long = [i for i in items if i.get_closest_marker("long") and i not in waiting]
+    short = [i for i in items if not i.get_closest_marker("long") and i not in waiting]
+    slices = [[] for _ in range(workers)]
+    slices[0] += waiting
+    for n, item in enumerate(long):  # dealt from the second slice on: beside the waiting
+        slices[(n + 1) % workers].append(item)
+    left = len(items)
+    for k, chunk in enumerate(slices):  # the slice sizes worksteal hands out
+        size = left // (workers - k)
+        left -= size
+        take = max(0, size - len(chunk))
+        chunk += short[:take]
+        del short[:take]
+    items[:] = [item for chunk in slices for item in chunk] + short
 
 
 @pytest.fixture(autouse=True)

@@ -19,6 +19,7 @@ SCRIPT = "03-ddp/debug_hang.py"
 DETAIL = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
 
 
+@pytest.mark.waits
 def test_detail_names_the_mismatched_collective_on_both_ranks():
     proc = run(torchrun_cmd(2, SCRIPT), env=DETAIL, check=False, timeout=120)
     out = proc.stdout
@@ -36,7 +37,7 @@ def test_detail_names_the_mismatched_collective_on_both_ranks():
         assert f"Tensor shapes: {mine}vs {theirs}" in line
 
 
-@pytest.mark.long
+@pytest.mark.waits
 def test_a_hang_shows_every_stack_and_detail_names_the_missing_rank(tmp_path):
     timeout = 8
     cmd = torchrun_cmd(2, SCRIPT, "--failure", "hang", "--timeout", timeout)

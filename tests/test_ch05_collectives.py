@@ -192,6 +192,7 @@ def test_one_op_only():
     assert "all 1 collective(s) gave the expected result on all 2 ranks" in proc.stdout
 
 
+@pytest.mark.waits
 def test_a_skipped_collective_times_out_instead_of_hanging():
     timeout = 3
     proc = run(torchrun_cmd(2, DEMO, "--timeout-demo", "--timeout", timeout), check=False, timeout=120,

@@ -27,7 +27,7 @@ from ch04_runs import FREQ, NAME, assert_same_as_uninterrupted, flags as ch04_fl
 from conftest import TINY, start
 
 CH03, CH04 = "03-ddp/train_llm.py", "04-checkpointing/train_llm.py"
-TIMEOUT = 8            # --timeout in the cable and name tests (seconds; short, yet safe on a busy CI machine)
+TIMEOUT = 8            # --timeout in the cable test (seconds; short, yet safe on a busy CI machine)
 MARGIN = 15            # seconds after --timeout by which every process must have ended
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 ports = itertools.count(29400)
@@ -111,7 +111,7 @@ def wait_for_step(metrics, step, procs, timeout=120):
 
 # ---- (a), (b) chapter 04 across two hosts with node-local checkpoints -------------------
 
-@pytest.mark.long
+@pytest.mark.waits
 def test_ch04_on_two_hosts_cut_cable_then_resume_exactly(hosts, uninterrupted):
     """(a) The cable is cut mid-training: every worker on both hosts ends soon after
     --timeout, with one line each; torchrun on the host cut off from rank 0's may then wait
@@ -171,30 +171,35 @@ def test_ch04_on_two_hosts_cut_cable_then_resume_exactly(hosts, uninterrupted):
     assert_same_as_uninterrupted(hosts.save_dir(0) / NAME, uninterrupted[1])
 
 
-# ---- (c) a wrong interface or address: every process ends within --timeout, one line each ----
+# ---- (c) a wrong interface or address: every process ends on its own, one line each ----
 
-@pytest.mark.long
-def test_a_wrong_interface_or_address_ends_within_the_timeout_with_one_line_each(hosts):
+@pytest.mark.waits
+def test_a_wrong_interface_or_address_ends_on_its_own_with_one_line_each(hosts):
     """The two settings a reader gets by default on two machines: GLOO_SOCKET_IFNAME unset
     (gloo then advertises the host name's address: here the loopback), and torchrun without
     --local-addr (rank 0's host advertises its name, the loopback on the other host). The
-    ranks cannot reach each other: rank 0 waits until --timeout, then says in one line that
-    a peer stopped answering (03-ddp/README.md's table names the fix); the other machine's
-    torchrun then loses its rendezvous (its own report). Nothing waits longer, no script
-    prints a traceback. The jobs run at once."""
+    ranks cannot reach each other: a rank says in one line that a peer stopped answering
+    (03-ddp/README.md's table names the fix), and the other machine's torchrun then loses
+    its rendezvous (its own report). A rank that dials its peer gives up after --timeout;
+    one that waits for its peer to dial in waits five times --timeout (gloo's rule for the
+    first connection; with --timeout 8 on a busy machine it ended after 42 s), as the
+    table says. Nothing waits longer, no script prints a traceback. The jobs run at once,
+    with a shorter --timeout than the other tests: here nothing has to work before it
+    expires."""
+    timeout = 3
     cases = {"unset": ({"GLOO_SOCKET_IFNAME": ""}, None), "no-local-addr": ({}, [None, None])}
-    t0 = time.monotonic()
     jobs = {case: start_both(hosts, CH03, [*TINY, "--max-steps", 2, "--experiment-name", case,
-                                           "--timeout", TIMEOUT], env=env, local_addrs=addrs, tag=case)
+                                           "--timeout", timeout], env=env, local_addrs=addrs, tag=case)
             for case, (env, addrs) in cases.items()}
+    t0 = time.monotonic()  # every torchrun has started
     for case, (procs, logs) in jobs.items():
-        statuses, texts = wait_both(procs, logs, timeout=TIMEOUT + 4 * MARGIN)
+        statuses, texts = wait_both(procs, logs, timeout=5 * timeout + MARGIN)
         assert all(s not in (0, None) for s in statuses), show(texts)
         errors = [[line for line in text.splitlines() if line.startswith("error: ")] for text in texts]
         assert all(len(e) <= 1 for e in errors), show(texts)
         assert any(e and "a peer stopped answering" in e[0] for e in errors), show(texts)
         assert not any('train_llm.py", line' in text for text in texts), show(texts)  # no script traceback
-    assert time.monotonic() - t0 < TIMEOUT + 4 * MARGIN
+    assert time.monotonic() - t0 < 5 * timeout + MARGIN
 
 
 def test_each_host_resolves_its_own_name_only(hosts):
