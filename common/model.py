@@ -208,7 +208,7 @@ class LlamaForCausalLM(nn.Module):
             else:
                 nn.init.normal_(p, mean=0.0, std=std)
 
-    def forward(self, input_ids, attn_mask=None):
+    def forward(self, input_ids, attn_mask=None, last_only: bool = False):
         T = input_ids.shape[1]
         if T > self.config.max_position_embeddings:
             raise ValueError(f"sequence length {T} exceeds max_position_embeddings="
@@ -221,8 +221,8 @@ class LlamaForCausalLM(nn.Module):
                 x = checkpoint(layer, x, cos, sin, attn_mask, use_reentrant=False)
             else:
                 x = layer(x, cos, sin, attn_mask)
-        # fp32 logits (fp64 stays fp64) whatever autocast does: the loss runs in fp32
-        logits = self.lm_head(self.norm(x))
+        # fp32 logits for the loss (fp64 stays fp64) whatever autocast does; last_only: sampling
+        logits = self.lm_head(self.norm(x[:, -1:] if last_only else x))
         return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
     @torch.no_grad()
@@ -231,7 +231,7 @@ class LlamaForCausalLM(nn.Module):
         """Plain sampling, no KV cache: enough for a sample at the end of training."""
         for _ in range(max_new_tokens):
             ctx = input_ids[:, -self.config.max_position_embeddings:]
-            logits = self(ctx)[:, -1, :].float() / max(temperature, 1e-6)
+            logits = self(ctx, last_only=True)[:, -1, :].float() / max(temperature, 1e-6)
             if top_k is not None:
                 kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
                 logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -120,6 +120,20 @@ def test_logits_shape():
     assert model(ids).shape == (3, 11, VOCAB)
 
 
+def test_sampling_reads_the_last_positions_logits_computed_alone():
+    """last_only (what generate asks for) projects only the last position onto the
+    vocabulary: the logits the full forward gives there (to rounding: one row against a
+    matrix of them); generate extends the prompt with what it draws from them."""
+    model = make_model().eval()
+    ids = torch.randint(0, VOCAB, (3, 11))
+    with torch.no_grad():
+        last, full = model(ids, last_only=True), model(ids)
+    assert last.shape == (3, 1, VOCAB)
+    torch.testing.assert_close(last[:, -1], full[:, -1])
+    out = model.generate(ids[:1], 6, generator=torch.Generator().manual_seed(0))
+    assert out.shape == (1, 11 + 6) and torch.equal(out[:, :11], ids[:1])
+
+
 # --------------------------------------------------- the same function as Llama
 
 def reference_llama(sd: dict, cfg: LlamaConfig, ids: torch.Tensor) -> torch.Tensor:
