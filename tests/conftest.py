@@ -25,7 +25,7 @@ TINY = ["--model-preset", "tiny", "--seq-length", "64", "--batch-size", "4",
 
 
 def pytest_collection_modifyitems(items):
-    """The order the tests start in, the others in file order. A `long` test that started
+    """The order the tests start in (otherwise file order). A `long` test that started
     last would run on while the other workers have nothing left to do, so the long tests
     start first, and the short ones fill the cores around them. Under pytest-xdist's
     worksteal, worker k is first handed the k-th of W equal slices of this order (it
