@@ -10,10 +10,11 @@ stops alone leaves the others waiting in a collective. So:
   after the next step, when it has long arrived: no step waits on the other hosts for
   it, and all ranks still stop after the same step (one step later than a blocking
   vote would), save, and leave.
-- `data_worker_ignores_stops`: the DataLoader's worker processes ignore both signals,
-  but their trainer's SIGTERM. SLURM signals every process of a job, Ctrl-C and torchrun
-  a whole process group; a worker that dies of the signal takes its trainer down with it
-  ("DataLoader worker is killed by signal"), before the trainer can save.
+- `data_worker_ignores_stops` and `holding_sigterm`: the DataLoader's worker processes
+  ignore both signals, but their trainer's SIGTERM. SLURM signals every process of a
+  job, Ctrl-C and torchrun a whole process group; a worker that dies of the signal takes
+  its trainer down with it ("DataLoader worker is killed by signal"), before the trainer
+  can save.
 """
 
 from __future__ import annotations
@@ -43,16 +44,40 @@ def data_worker_ignores_stops(worker_id: int):
     also ends with its trainer: one that dies first (killed, or gone at once after a peer
     stopped answering) takes it along at that moment (the kernel's parent-death signal
     on Linux, where the chapters fork their workers: see `worker_start_method`), not at
-    the DataLoader's next check (every 5 s)."""
+    the DataLoader's next check (every 5 s). Forked by `holding_sigterm`, the worker has
+    held SIGTERM since its birth, in every thread it started."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if hasattr(signal, "sigwaitinfo"):  # a thread takes each SIGTERM, with its sender (Linux)
-        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])  # in the threads started later too
+        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])  # and in the threads started later
         threading.Thread(target=_end_at_the_trainers_sigterm, daemon=True).start()
     trainer = multiprocessing.parent_process()
     if end_with_parent(signal.SIGKILL) and trainer is not None and not trainer.is_alive():
         # The trainer died before the request took hold. (The orphan's new parent is not
         # always init, pid 1: a desktop's systemd user manager adopts it, for one.)
         os._exit(0)
+
+
+def holding_sigterm(start_method):
+    """DataLoader(multiprocessing_context=...): for "fork" (the chapters' start method on
+    Linux), a fork whose worker is born with SIGTERM blocked, and with it every thread the
+    worker starts. Blocking it in `data_worker_ignores_stops` alone comes too late: by then
+    torch has started the worker's thread pool (`torch.set_num_threads(1)` rebuilds a pool
+    as large as the trainer's: 4 threads for each of 2 ranks on 8 cores), and a SIGTERM
+    that one of those threads takes kills the worker. Another start method: unchanged."""
+    return _SigtermHeldFork() if start_method == "fork" else start_method
+
+
+if hasattr(multiprocessing.context, "ForkProcess"):  # (not on Windows)
+    class _ForkedHoldingSigterm(multiprocessing.context.ForkProcess):
+        def start(self):
+            held = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])  # the child inherits it
+            try:
+                super().start()
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+    class _SigtermHeldFork(multiprocessing.context.ForkContext):
+        Process = _ForkedHoldingSigterm
 
 
 def _end_at_the_trainers_sigterm():

@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from checkpoint import (ResumableSampler, TrainState, checkpoint_candidates, checkpoint_folder, load_latest,  # noqa: E402
                         rebuild_ddp_buckets, run_settings, save_checkpoint)
-from preemption import StopRequest, data_worker_ignores_stops  # noqa: E402
+from preemption import StopRequest, data_worker_ignores_stops, holding_sigterm  # noqa: E402
 from common.cli import base_parser, non_negative_int, positive_int, setup_logging  # noqa: E402
 from common.data import IGNORE_INDEX, build_datasets, check_enough_samples, dataset_info, local_rank0_first, worker_start_method  # noqa: E402
 from common.distributed import DDP_NO_BUFFER_SYNC, backend_for, gc_and_destroy_process_group, init_process_group_for_restarts  # noqa: E402
@@ -116,7 +116,7 @@ def load_data(args, device, rank, world_size):
     loader = DataLoader(data.train, batch_size=args.batch_size, sampler=sampler,
                         drop_last=True,  # every step sees a full batch
                         num_workers=args.num_workers, pin_memory=device.type == "cuda",
-                        multiprocessing_context=worker_start_method(args.num_workers),  # fork on Linux
+                        multiprocessing_context=holding_sigterm(worker_start_method(args.num_workers)),
                         generator=torch.Generator().manual_seed(args.seed),  # not the global RNG
                         worker_init_fn=data_worker_ignores_stops)  # a stop signal is the trainer's to handle
     # Validation is split too: rank r evaluates samples r, r + world_size, ...

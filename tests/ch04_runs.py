@@ -22,6 +22,12 @@ CRASH = 7  # after the checkpoints of steps 3 and 6
 FLAGS = [*TINY[:TINY.index("--num-workers")], *TINY[TINY.index("--num-workers") + 2:],
          "--seq-length", "16"]
 
+# A stopped job's trainers run two intra-op threads each, as on a machine with cores to
+# spare, whatever this machine's share (conftest: 1 on 2 cores): each DataLoader worker
+# then starts threads of its own before its worker_init_fn, which a stop signal must not
+# kill (preemption.holding_sigterm). The losses are the same bits with 1 thread or 2.
+SPARE_CORES = {"LLM_GUIDE_THREADS": "2"}
+
 
 def flags(save_dir, *extra):
     """The chapter's flags in the tests; save_dir None: no --save-dir (the two-hosts test

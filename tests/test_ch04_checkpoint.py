@@ -251,15 +251,21 @@ def test_a_data_worker_ignores_stop_signals_and_dies_with_its_trainer():
     without stopping it (os._exit, as after a peer stopped answering) takes it along at
     once: the DataLoader's own check would notice only within 5 s. With the chapters'
     start method (fork on Linux), also where forkserver is the default (Python 3.14): the
-    worker is the trainer's child, not a fork server's."""
+    worker is the trainer's child, not a fork server's. The trainer runs two intra-op
+    threads, as on any machine with cores to spare: the worker rebuilds that pool before
+    worker_init_fn runs, and without `holding_sigterm` one of its threads takes the
+    SIGTERM and dies of it."""
     ready_r, ready_w = os.pipe()
     go_r, go_w = os.pipe()
     trainer = os.fork()
     if trainer == 0:
         try:
             multiprocessing.set_start_method("forkserver", force=True)
+            torch.set_num_threads(2)
+            torch.ones(256, 256).matmul(torch.ones(256, 256))  # the pool's threads start
             loader = torch.utils.data.DataLoader(WorkerPids(), num_workers=1, batch_size=None,
-                                                 multiprocessing_context=worker_start_method(1),
+                                                 multiprocessing_context=preemption.holding_sigterm(
+                                                     worker_start_method(1)),
                                                  worker_init_fn=preemption.data_worker_ignores_stops)
             batches = iter(loader)
             os.write(ready_w, str(next(batches).item()).encode())  # the worker got the signals and ran on

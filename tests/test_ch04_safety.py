@@ -20,7 +20,7 @@ from common import runfolder
 from common.runfolder import claim_run_folder
 from conftest import REPO, python_cmd, read_json, read_jsonl, run, run_folder_held, torchrun_cmd
 from warm import children, in_session
-from ch04_runs import (CRASH, FREQ, NAME, SCRIPT, STEPS, assert_same_as_uninterrupted, copy_run, flags,
+from ch04_runs import (CRASH, FREQ, NAME, SCRIPT, SPARE_CORES, STEPS, assert_same_as_uninterrupted, copy_run, flags,
                        kill_job, snapshot, start_job, step_dir, train)
 
 FORKSERVER_DEFAULT = REPO / "tests" / "forkserver_default.py"  # runs SCRIPT as Python 3.14 would
@@ -211,7 +211,7 @@ def test_sigterm_to_the_workers_under_restarts_says_what_happens_next(tmp_path, 
     test_ch04_checkpointing.py::test_torchrun_restart_after_a_crash_continues_exactly.)"""
     cmd = torchrun_cmd(2, SCRIPT, *flags(tmp_path, "--ckpt-freq", 100), extra=["--max-restarts=1"])
     metrics = tmp_path / NAME / "metrics.jsonl"
-    job = start_job(cmd, tmp_path / "job.log",
+    job = start_job(cmd, tmp_path / "job.log", env=SPARE_CORES,
                     until=lambda: metrics.exists() and metrics.read_text().count("\n") >= 5)
     for worker in children(job.pid):
         os.killpg(worker, signal.SIGTERM)  # each worker and its DataLoader process
@@ -241,7 +241,7 @@ def test_a_signal_saves_a_checkpoint_and_the_rerun_continues_exactly(tmp_path, u
     script = [FORKSERVER_DEFAULT, SCRIPT] if sig == signal.SIGTERM else [SCRIPT]
     cmd = [str(c) for c in torchrun_cmd(2, *script, *flags(tmp_path, "--ckpt-freq", 100, *extra))]
     metrics = tmp_path / NAME / "metrics.jsonl"
-    job = start_job(cmd, tmp_path / "job.log", warm=sig == signal.SIGINT,
+    job = start_job(cmd, tmp_path / "job.log", warm=sig == signal.SIGINT, env=SPARE_CORES,
                     until=lambda: metrics.exists() and metrics.read_text().count("\n") >= 5)
     os.killpg(job.pid, sig)  # torchrun's process group, as a terminal's Ctrl-C does
     t0 = time.monotonic()

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from ch04_runs import NAME, SCRIPT, assert_same_as_uninterrupted, flags, kill_job, start_job, step_dir
+from ch04_runs import NAME, SCRIPT, SPARE_CORES, assert_same_as_uninterrupted, flags, kill_job, start_job, step_dir
 from conftest import run, torchrun_cmd
 from warm import children
 
@@ -46,7 +46,7 @@ def test_a_stop_signal_to_the_whole_job_saves_and_the_rerun_continues_exactly(tm
     save_dir = tmp_path / "stopped"
     cmd = torchrun_cmd(nproc, SCRIPT, *flags(save_dir, "--ckpt-freq", 100))
     metrics = save_dir / NAME / "metrics.jsonl"
-    job = start_job(cmd, tmp_path / "job.log", warm=False,
+    job = start_job(cmd, tmp_path / "job.log", warm=False, env=SPARE_CORES,
                     until=lambda: metrics.exists() and metrics.read_text().count("\n") >= SIGNALLED_AFTER)
     try:
         assert job.poll() is None, (tmp_path / "job.log").read_text()[-3000:]
