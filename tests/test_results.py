@@ -5,6 +5,7 @@ record with their provenance."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -56,3 +57,25 @@ def test_a_broken_record_is_named(tmp_path, monkeypatch, content):
     (tmp_path / "x.json").write_text(content)
     with pytest.raises(results.UsageError, match="not a record: x.json"):
         results.load_records(tmp_path)
+
+
+def test_a_gpu_run_becomes_a_record_with_its_driver_targets_and_measured_tests(tmp_path, monkeypatch):
+    """tools.gpu_check's results.json: the machine line names the GPU, driver and CUDA;
+    each target and each test that measured something is a row; a test that recorded no
+    figure (a pass or fail only) is none."""
+    run = tmp_path / "gpu-results"
+    run.mkdir()
+    (run / "results.json").write_text(json.dumps({
+        "environment": {"date_utc": "2026-01-03 10:00:00", "python": "3.12.3", "torch": "2.11.0+cu130",
+                        "cuda": "13.0", "cuda_devices": ["NVIDIA H200"], "commit": "abc",
+                        "nvidia_smi": {"driver": "580.1"}},
+        "steps": [], "gpu_tests": {"ch01_base_eager": {"tokens_per_s": 1000.0, "mfu": 0.31, "peak_memory_mb": 5.0},
+                                   "ch05_bench_gloo_2": {"tokens_per_s": None}, "device_name": "NVIDIA H200"},
+        "targets": [{"target": "chapter 01: MFU", "at_least": 0.25, "value": 0.31, "met": True}]}))
+    monkeypatch.setattr(results, "RECORDS", tmp_path / "records")
+    assert results.record(run) == tmp_path / "records" / "gpu-2026-01-03.json"
+    text = results.document(results.load_records(tmp_path / "records"))
+    assert "measured on NVIDIA H200 (driver 580.1, CUDA 13.0), torch 2.11.0+cu130" in text
+    assert "| chapter 01: MFU | 0.25 | 0.310 | met |" in re.sub(" +", " ", text)
+    assert "ch01_base_eager" in text and "31.0%" in text and "ch05_bench_gloo_2" not in text
+    assert "what it checked" not in text  # no test said

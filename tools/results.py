@@ -60,9 +60,12 @@ def gpu_record(folder: Path) -> dict:
     if not isinstance(results, dict) or "environment" not in results:
         raise UsageError(f"{folder} holds no results.json of python -m tools.gpu_check")
     env = results["environment"]
+    driver = (env.get("nvidia_smi") or {}).get("driver")
+    details = ", ".join(filter(None, [driver and f"driver {driver}", env.get("cuda") and f"CUDA {env['cuda']}"]))
     return {"kind": "gpu", "title": f"The GPU suite and benchmark on {', '.join(env.get('cuda_devices') or ['?'])}",
             "command": "python -m tools.gpu_check --out " + folder.name, "date": env["date_utc"][:10],
-            "machine": ", ".join(env.get("cuda_devices") or []), "torch": env["torch"],
+            "machine": ", ".join(env.get("cuda_devices") or []) + (f" ({details})" if details else ""),
+            "torch": env["torch"],
             "python": env["python"], "commit": env.get("commit"), "results": results}
 
 
@@ -106,12 +109,16 @@ def gpu_section(r: dict) -> str:
                 {True: "met", False: "NOT met"}.get(t["met"], "-")] for t in res.get("targets", [])]
     if targets:
         parts.append(markdown_table(["target", "at least", "measured", ""], targets, right={1, 2}))
-    tests = {k: v for k, v in (res.get("gpu_tests") or {}).items() if isinstance(v, dict)}
+    shown = ("tokens_per_s", "mfu", "peak_memory_mb", "checked")  # a test that measured none of them: no row
+    tests = {k: v for k, v in (res.get("gpu_tests") or {}).items()
+             if isinstance(v, dict) and any(v.get(key) is not None for key in shown)}
     if tests:
+        checked = any(t.get("checked") for t in tests.values())  # (a column only where some test says)
         rows = [[name, _num(t.get("tokens_per_s")), _num(t.get("mfu"), 1, 100, "%"),
-                 _num(t.get("peak_memory_mb"), 0, 1, " MB"), t.get("checked", "")] for name, t in tests.items()]
-        parts.append(markdown_table(["GPU test", "tokens/s", "MFU", "peak memory", "what it checked"], rows,
-                                    right={1, 2, 3}))
+                 _num(t.get("peak_memory_mb"), 0, 1, " MB"), *([t.get("checked", "")] if checked else [])]
+                for name, t in tests.items()]
+        header = ["GPU test", "tokens/s", "MFU", "peak memory", *(["what it checked"] if checked else [])]
+        parts.append(markdown_table(header, rows, right={1, 2, 3}))
     bench = (res.get("bench_model") or {}).get("rows") or []
     if bench:
         rows = [[b["preset"], b["mode"], b["step"], _num(b["tokens_per_s"]), _num(b["mfu"], 1, 100, "%")]
