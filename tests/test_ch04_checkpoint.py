@@ -18,6 +18,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -251,18 +252,13 @@ def test_a_data_worker_ignores_stop_signals_and_dies_with_its_trainer():
     without stopping it (os._exit, as after a peer stopped answering) takes it along at
     once: the DataLoader's own check would notice only within 5 s. With the chapters'
     start method (fork on Linux), also where forkserver is the default (Python 3.14): the
-    worker is the trainer's child, not a fork server's. The trainer runs two intra-op
-    threads, as on any machine with cores to spare: the worker rebuilds that pool before
-    worker_init_fn runs, and without `holding_sigterm` one of its threads takes the
-    SIGTERM and dies of it."""
+    worker is the trainer's child, not a fork server's."""
     ready_r, ready_w = os.pipe()
     go_r, go_w = os.pipe()
     trainer = os.fork()
     if trainer == 0:
         try:
             multiprocessing.set_start_method("forkserver", force=True)
-            torch.set_num_threads(2)
-            torch.ones(256, 256).matmul(torch.ones(256, 256))  # the pool's threads start
             loader = torch.utils.data.DataLoader(WorkerPids(), num_workers=1, batch_size=None,
                                                  multiprocessing_context=preemption.holding_sigterm(
                                                      worker_start_method(1)),
@@ -286,6 +282,39 @@ def test_a_data_worker_ignores_stop_signals_and_dies_with_its_trainer():
     if running(worker):
         os.kill(worker, signal.SIGKILL)
     assert gone_after < 2.5, f"the worker outlived its trainer by {gone_after:.1f} s"
+
+
+def _masks_at_birth(answer):
+    """What a worker finds as it starts: its signal mask, and that of a thread it starts."""
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(signal.pthread_sigmask(signal.SIG_BLOCK, [])))
+    thread.start()
+    thread.join()
+    answer.put((signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, []), signal.SIGTERM in seen[0]))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the chapters fork their workers on Linux")
+def test_a_data_worker_is_born_holding_sigterm_and_so_is_every_thread_it_starts():
+    """holding_sigterm's fork: the worker holds SIGTERM from its first instruction, before
+    worker_init_fn runs, when torch has already started threads in it (its intra-op pool,
+    rebuilt as large as the trainer's: test_ch04_safety's stopped jobs run two threads per
+    rank, and fail without this); each thread inherits the mask. The trainer's own mask is
+    as it was; another start method passes through."""
+    fork = preemption.holding_sigterm("fork")
+    answer = fork.SimpleQueue()
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    worker = fork.Process(target=_masks_at_birth, args=(answer,))
+    worker.start()
+    try:
+        assert answer.get() == (True, True)
+    finally:
+        worker.join(10)
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before and signal.SIGTERM not in before
+    plain = multiprocessing.get_context("fork").Process(target=_masks_at_birth, args=(answer,))
+    plain.start()
+    assert answer.get() == (False, False)  # what a worker of the plain fork starts with
+    plain.join(10)
+    assert preemption.holding_sigterm("spawn") == "spawn" and preemption.holding_sigterm(None) is None
 
 
 def _a_worker_that_waits(ready):
