@@ -301,18 +301,18 @@ def test_a_data_worker_is_born_holding_sigterm_and_so_is_every_thread_it_starts(
     rank, and fail without this); each thread inherits the mask. The trainer's own mask is
     as it was; another start method passes through."""
     fork = preemption.holding_sigterm("fork")
-    answer = fork.SimpleQueue()
+    answer = fork.Queue()  # (a worker that broke before answering: a failure in 60 s, not a hang)
     before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
     worker = fork.Process(target=_masks_at_birth, args=(answer,))
     worker.start()
     try:
-        assert answer.get() == (True, True)
+        assert answer.get(timeout=60) == (True, True)
     finally:
         worker.join(10)
     assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before and signal.SIGTERM not in before
     plain = multiprocessing.get_context("fork").Process(target=_masks_at_birth, args=(answer,))
     plain.start()
-    assert answer.get() == (False, False)  # what a worker of the plain fork starts with
+    assert answer.get(timeout=60) == (False, False)  # what a worker of the plain fork starts with
     plain.join(10)
     assert preemption.holding_sigterm("spawn") == "spawn" and preemption.holding_sigterm(None) is None
 
