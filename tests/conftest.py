@@ -13,9 +13,15 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
-import pytest
-from pages import readme_command
-from warm import WarmJob, Zygote, as_launch, free_port, torchrun_itself
+# The suite runs several jobs on few cores. An OpenMP thread that finished its part of an
+# op spins waiting for the next (GNU OpenMP's default, read when torch loads it), taking
+# a core another job needs: the tests with two threads per rank cost twice the CPU.
+# Waiting asleep changes no result; every process of the suite inherits this.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+from pages import readme_command  # noqa: E402
+from warm import WarmJob, Zygote, as_launch, free_port, torchrun_itself  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
