@@ -273,15 +273,15 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 def tokenize_corpus(corpus: Corpus, tok, scratch: Path | None = None):
-    """A datasets.Dataset of one `ids` list per document (`encode_batch` uses every core).
-    A corpus read from files is tokenized into `scratch`, not into datasets' cache."""
-    ds = corpus.dataset
+    """A datasets.Dataset of one `ids` list per document (`encode_batch` uses every core;
+    its `_fast` form in tokenizers 0.20+ gives the same ids without character offsets, for
+    a third less CPU). A corpus read from files is tokenized into `scratch`."""
+    ds, encode_batch = corpus.dataset, getattr(tok, "encode_batch_fast", tok.encode_batch)
 
     def encode(batch):
-        return {"ids": [e.ids for e in tok.encode_batch(batch["text"], add_special_tokens=False)]}
+        return {"ids": [e.ids for e in encode_batch(batch["text"], add_special_tokens=False)]}
     import_datasets()  # the map's bar only where someone watches
-    return ds.map(encode, batched=True, batch_size=256, remove_columns=ds.column_names,
-                  desc=f"tokenizing {corpus.name}",
+    return ds.map(encode, batched=True, batch_size=256, remove_columns=ds.column_names, desc=f"tokenizing {corpus.name}",
                   cache_file_name=str(Path(scratch) / "ids.arrow") if ds.cache_files and scratch else None)
 
 
