@@ -551,7 +551,8 @@ def test_a_workers_own_memory_is_told_apart_from_the_file_pages_it_maps(tmp_path
 def test_a_local_corpus_is_tokenized_into_the_scratch_folder_with_a_bar_where_watched(
         corpus, tokenizer, tmp_path, monkeypatch, capfd):
     """One batched map in this process (tokenizers' encode_batch spreads a batch over the
-    cores): the tokenizer's ids in corpus order, written into the scratch folder on the
+    cores; its `_fast` form, where tokenizers has one, skips the offsets): encode_batch's
+    ids in corpus order, written into the scratch folder on the
     cache's disk, not into datasets' own cache; a progress bar only where someone watches."""
     tok, _ = tokenizer
     (tmp_path / "one").mkdir(), (tmp_path / "two").mkdir()
