@@ -552,8 +552,8 @@ def test_a_local_corpus_is_tokenized_into_the_scratch_folder_with_a_bar_where_wa
         corpus, tokenizer, tmp_path, monkeypatch, capfd):
     """One batched map in this process (tokenizers' encode_batch spreads a batch over the
     cores; its `_fast` form, where tokenizers has one, skips the offsets): encode_batch's
-    ids in corpus order, written into the scratch folder on the
-    cache's disk, not into datasets' own cache; a progress bar only where someone watches."""
+    ids in corpus order, written into the scratch folder on the cache's disk, not into
+    datasets' own cache; a progress bar only where someone watches."""
     tok, _ = tokenizer
     (tmp_path / "one").mkdir(), (tmp_path / "two").mkdir()
     one = data.tokenize_corpus(corpus, tok, tmp_path / "one")
