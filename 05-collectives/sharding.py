@@ -28,13 +28,9 @@ import torch.distributed as dist
 from common.demos import all_gather_single, reduce_scatter_single
 from common.environment import device_name, environment_info
 from common.files import write_json
+from common.sizing import RING_FACTOR  # what a ring algorithm sends per byte of the array
 from common.tables import markdown_table
 from proof import max_over_ranks
-
-# Bytes a bandwidth-optimal (ring) algorithm sends from each rank, per byte of the array
-# (the gathered output, the scattered input, the reduced tensor): nccl-tests' bus factors.
-RING_FACTOR = {"all_gather": lambda n: (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
-               "all_reduce": lambda n: 2 * (n - 1) / n}
 
 
 class Comm:

@@ -39,21 +39,20 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-# Runnable from the repo root or from inside this folder, installed or not.
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
-import tensor_parallel  # noqa: E402
-from pipeline_parallel import Pipeline, StageModule, split_layers  # noqa: E402
-from train_llm import split_model  # noqa: E402
-from common.cli import comma_list, non_negative_int, one_of, positive_int  # noqa: E402
-from common.demos import script_parser, start_demo  # noqa: E402
-from common.distributed import gc_and_destroy_process_group  # noqa: E402
-from common.environment import share_cpu_threads  # noqa: E402
-from common.errors import MODEL_OOM_ADVICE, UsageError, run_main  # noqa: E402
-from common.model import PRESETS, LlamaForCausalLM, get_config  # noqa: E402
-from common.runfolder import claim_run_folder  # noqa: E402
-from common.tables import markdown_table  # noqa: E402
-from common.training import build_optimizer  # noqa: E402
-from tools import plan  # noqa: E402  (the planner this script holds to its measurements)
+from common.cli import comma_list, non_negative_int, one_of, positive_int
+from common.demos import script_parser, start_demo
+from common.distributed import gc_and_destroy_process_group
+from common.environment import share_cpu_threads
+from common.errors import MODEL_OOM_ADVICE, UsageError, run_main
+from common.model import PRESETS, LlamaForCausalLM, get_config
+from common.runfolder import claim_run_folder
+from common.sizing import PRECISIONS, RING_FACTOR, in_flight, stage_activation_bytes, stage_state_bytes, tp_all_reduce_bytes
+from common.tables import markdown_table
+from common.training import build_optimizer
+
+import tensor_parallel
+from pipeline_parallel import Pipeline, StageModule, split_layers
+from train_llm import split_model
 
 COUNTS = ("1", "2", "4", "8", "16")
 
@@ -203,9 +202,9 @@ def measure_memory(args, demo, config, pp: int, tp: int) -> dict:
     optimizer.step()
     measured["optimizer"] = nbytes(t for st in optimizer.state.values() for t in st.values())
     measured["activations_per_microbatch"] = acts
-    fp32 = plan.PRECISIONS["fp32"]
-    planned = {**plan.stage_state_bytes(config, tp, pp, stage, fp32, tp_rank),
-               "activations_per_microbatch": plan.stage_activation_bytes(
+    fp32 = PRECISIONS["fp32"]
+    planned = {**stage_state_bytes(config, tp, pp, stage, fp32, tp_rank),
+               "activations_per_microbatch": stage_activation_bytes(
                    config, args.microbatch_size * args.seq_length, args.seq_length, fp32, tp, pp, stage, tp_rank,
                    cpu=demo.device.type == "cpu")}
     return {"layout": f"pp{pp}xtp{tp}" if pp > 1 and tp > 1 else f"pp{pp}" if pp > 1 else f"tp{tp}",
@@ -245,10 +244,10 @@ def measure_tp_bytes(args, demo, config):
         whole = sum(counted)
     finally:
         tensor_parallel.all_reduce = real
-    layer_planned, whole_planned = plan.tp_all_reduce_bytes(config, B * T, plan.PRECISIONS["fp32"], demo.world, 1, 0)
+    layer_planned, whole_planned = tp_all_reduce_bytes(config, B * T, PRECISIONS["fp32"], demo.world, 1, 0)
     return {"tp": demo.world, "batch_tokens": B * T, "hidden_size": h, "layer_bytes": layer,
             "layer_planned": layer_planned, "model_bytes": whole, "model_planned": whole_planned,
-            "ring_sent_per_rank_factor": plan.RING_FACTOR["all_reduce"](demo.world)}
+            "ring_sent_per_rank_factor": RING_FACTOR["all_reduce"](demo.world)}
 
 
 # ---- report -----------------------------------------------------------------------------
@@ -284,7 +283,7 @@ def tables(results, memory, tp_bytes) -> str:
     rows = []
     for r in results:
         p = r["stages"]
-        planned = [plan.in_flight(r["schedule"], r["m"], p, s) for s in range(p)]
+        planned = [in_flight(r["schedule"], r["m"], p, s) for s in range(p)]
         rows.append((r["schedule"], r["m"], f"{r['bubble']:.1%}", f"{r['textbook']:.1%}",
                      ", ".join(map(str, r["peak_in_flight_per_stage"])), ", ".join(map(str, planned)),
                      ", ".join(f"{n * mib[s]:.2f}" for s, n in enumerate(r["peak_in_flight_per_stage"]))))
