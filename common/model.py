@@ -179,6 +179,20 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+@torch.no_grad()
+def init_parameter(name: str, p: torch.Tensor, num_layers: int) -> None:
+    """GPT-2 style: N(0, 0.02); the projections into the residual stream (o_proj,
+    down_proj) scaled by 1/sqrt(2 * layers), so its variance does not grow with depth;
+    the RMSNorm weights ones. Drawn from the global generator, in the caller's order."""
+    std = 0.02
+    if p.dim() == 1:
+        nn.init.ones_(p)  # RMSNorm weights
+    elif name.endswith(("o_proj.weight", "down_proj.weight")):
+        nn.init.normal_(p, mean=0.0, std=std / math.sqrt(2 * num_layers))
+    else:
+        nn.init.normal_(p, mean=0.0, std=std)
+
+
 class LlamaForCausalLM(nn.Module):
     """`activation_checkpointing`: keep only each layer's input and run its forward again
     in backward: the same gradients, far less activation memory."""
@@ -196,17 +210,8 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self):
-        # GPT-2 style: N(0, 0.02); the projections into the residual stream (o_proj,
-        # down_proj) scaled by 1/sqrt(2 * layers), so its variance does not grow with depth
-        std = 0.02
-        residual_std = std / math.sqrt(2 * self.config.num_hidden_layers)
         for name, p in self.named_parameters():
-            if p.dim() == 1:
-                nn.init.ones_(p)  # RMSNorm weights
-            elif name.endswith(("o_proj.weight", "down_proj.weight")):
-                nn.init.normal_(p, mean=0.0, std=residual_std)
-            else:
-                nn.init.normal_(p, mean=0.0, std=std)
+            init_parameter(name, p, self.config.num_hidden_layers)
 
     def forward(self, input_ids, attn_mask=None, last_only: bool = False):
         T = input_ids.shape[1]
