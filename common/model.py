@@ -138,18 +138,24 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        y = self.attend(q, k, v, attn_mask)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+    def attend(self, q, k, v, attn_mask=None):
+        """Causal attention of q (B, heads, T, head_dim) over k and v (B, KV heads, T,
+        head_dim), the whole sequence in this process. (Chapter 08 sets another function
+        here, per layer: attention over a sequence split across processes.)"""
         # padded data brings an additive mask (masks.py); packed data none: is_causal then
         # takes a fused kernel's causal path
         mask = None if attn_mask is None else attn_mask.to(q.dtype)
         # Grouped-query attention: each KV head serves n_heads / n_kv_heads query heads.
-        gqa = self.n_kv_heads != self.n_heads
+        gqa = k.shape[1] != q.shape[1]
         if gqa and not shares_kv_heads(q.device.type, q.dtype, masked=mask is not None):
             # repeated per query head, K and V suit the memory-efficient kernel
-            groups = self.n_heads // self.n_kv_heads
+            groups = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
             gqa = False
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
 
 
 class MLP(nn.Module):
