@@ -266,6 +266,12 @@ class Trainer:
         out["weights"] = self.pieces()
         return out
 
+    def step_optimizer(self):
+        """Clip the gradients of the whole model, then AdamW's step."""
+        clip_grad_norm(self.part.parameters(), 1.0, self.tp_rank)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
     @torch.no_grad()
     def pieces(self, grad: bool = False) -> dict:
         return {n: local(p.grad if grad else p).clone() for n, p in self.part.named_parameters()}
