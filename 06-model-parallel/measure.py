@@ -1,27 +1,33 @@
 """Chapter 06, measured: the pipeline's bubble and its timeline; what each rank holds
-(parameters, gradients, AdamW's state, activations) and the bytes tensor parallelism
-all-reduces, against what `python -m tools.plan` says.
+(parameters, gradients, AdamW's state, activations, what the pipeline keeps) and the
+bytes tensor parallelism all-reduces, against what `python -m tools.plan` says (its
+formulas: common/sizing.py).
 
-The bubble. Every rank is a pipeline stage (pp = the world size): this chapter's
+The bubble. Every rank is a pipeline stage (pp = the world size). This chapter's
 Pipeline runs --steps steps of each schedule for every micro-batch count in
---microbatches, each micro-batch of --microbatch-size samples, so a forward or backward
-takes the same time whatever m is. Each stage records when each forward and backward
-started and ended. On a CPU an operation has finished when its call returns, so these
-host timestamps are the work itself (on a GPU the pipeline waits for the device at each
-one), and the stages share one machine's monotonic clock. A stage's bubble is the share
-of the step it spends on neither, against the textbook's (p - 1) / (m + p - 1). On a
-CPU, run one process per core: more would share cores, and a stage that waits for a
-core looks busy or idle at random. The tokens are random over a --vocab-size vocabulary
-(timing does not depend on the text; a small vocabulary keeps the last stage's head
-from outweighing a decoder layer, and the formula assumes stages of equal work).
+--microbatches, each micro-batch of --microbatch-size samples, so that a forward or
+backward takes the same time whatever m is. Pipeline.step calls back (`phase`) as each
+forward and backward starts and ends; the stages share one machine's monotonic clock
+(on a GPU the callback waits for the device first). From these times, per step (see
+`split_step`): each stage's idle share of the real step; the schedule's own bubble,
+from the operations replayed through the schedule with free communication, against
+(p - 1) / (m + p - 1); and communication and overhead, the share of the real step
+beyond that replay. On a CPU, run one process per core: a stage that waits for a core
+looks busy or idle at random. The tokens are random over a --vocab-size vocabulary (a
+small one keeps the last stage's head from outweighing a decoder layer).
 
-The memory. For every layout of the world with one replica (pp x tp = the world size),
-one training step of this chapter's split_model: each rank counts its parameters,
-gradients and AdamW state, and what one micro-batch's forward (and loss) keeps for
-backward (saved-tensor hooks) plus the output the pipeline keeps; the planner must say
-the same, to the byte. Then every rank is a tensor-parallel rank (tp = the world size)
-and counts the bytes that go through tensor_parallel.all_reduce in one step, against
-the planner. The tables go to the terminal and to tables.md.
+What a stage keeps: one more step of each schedule and m, every tensor its operations
+create counted while it lives (a dispatch mode, as torch's MemTracker counts them): the
+most bytes alive as a forward or backward starts, against the planner's
+`stage_kept_bytes` (1F1B: p - s micro-batches' activations at most, whatever m is).
+
+What each rank holds: for every layout of the world with one replica (pp x tp = the
+world size), one training step of split_model's layout: its parameters, gradients and
+AdamW state, and what one micro-batch's forward (and loss) saves for backward
+(saved-tensor hooks) plus the output the pipeline keeps, to the byte against the
+planner. Then every rank is a tensor-parallel rank (tp = the world size) and counts the
+bytes its all-reduces carry in one step (at the dispatcher, as torch's CommDebugMode
+counts collectives). The tables go to the terminal and to tables.md.
 
     torchrun --standalone --nproc-per-node=2 06-model-parallel/measure.py
 """
@@ -31,35 +37,40 @@ import os
 import statistics
 import sys
 import time
-from argparse import Namespace
+from collections.abc import Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
 
-from common.cli import comma_list, non_negative_int, one_of, positive_int
+from common.cli import comma_list, non_negative_int, one_of, positive_int, seed_value
 from common.demos import script_parser, start_demo
 from common.distributed import gc_and_destroy_process_group
 from common.environment import share_cpu_threads
 from common.errors import MODEL_OOM_ADVICE, UsageError, run_main
+from common.layout import Layout, every_layout
 from common.model import PRESETS, LlamaForCausalLM, get_config
 from common.runfolder import claim_run_folder
-from common.sizing import PRECISIONS, RING_FACTOR, in_flight, stage_activation_bytes, stage_state_bytes, tp_all_reduce_bytes
+from common.sizing import (PRECISIONS, RING_FACTOR, in_flight, stage_activation_bytes, stage_kept_bytes,
+                           stage_state_bytes, tp_all_reduce_bytes)
 from common.tables import markdown_table
 from common.training import build_optimizer
-
-import tensor_parallel
-from pipeline_parallel import Pipeline, StageModule, split_layers
+from pipeline_parallel import SCHEDULES, Pipeline, StageModule, split_layers
+from tensor_parallel import local_grad, parallelize, to_local, vocab_parallel_cross_entropy
 from train_llm import split_model
 
 COUNTS = ("1", "2", "4", "8", "16")
+MAX_VOCABULARY = 2 ** 20
 
 
 def parse_args(argv=None):
-    p = script_parser("06-measure", "The pipeline bubble, timeline and activations in flight; "
-                      "tensor parallelism's all-reduced bytes.")
+    p = script_parser("06-measure", "The pipeline bubble, timeline and what each stage keeps; what each "
+                      "rank holds; tensor parallelism's all-reduced bytes.")
     p.add_argument("--model-preset", default="small", type=one_of(*PRESETS), help="model size")
     p.add_argument("--seq-length", type=positive_int, default=128, help="tokens per sample")
     p.add_argument("--microbatch-size", type=positive_int, default=1, help="samples per micro-batch")
@@ -68,7 +79,7 @@ def parse_args(argv=None):
                    help="micro-batch counts m to measure")
     p.add_argument("--steps", type=positive_int, default=4, help="measured steps per schedule and m")
     p.add_argument("--warmup", type=non_negative_int, default=1, help="unmeasured first steps")
-    p.add_argument("--seed", type=non_negative_int, default=0, help="weights and tokens")
+    p.add_argument("--seed", type=seed_value, default=0, help="weights and tokens")
 
     def check(args):
         preset, world = PRESETS[args.model_preset], int(os.environ["WORLD_SIZE"])
@@ -78,8 +89,16 @@ def parse_args(argv=None):
         if args.seq_length > preset["max_position_embeddings"]:
             raise UsageError(f"--seq-length {args.seq_length} exceeds the {args.model_preset!r} preset's "
                              f"max_position_embeddings={preset['max_position_embeddings']}")
+        if args.vocab_size > MAX_VOCABULARY:
+            raise UsageError(f"--vocab-size {args.vocab_size:,}: at most {MAX_VOCABULARY:,}")
+        one_replica(world, get_config(args.model_preset, args.vocab_size))  # a vocabulary too small: refused
     p.checks.append(check)  # after the torchrun check: it reads the world size
     return p.parse_args(argv)
+
+
+def one_replica(world: int, config) -> list[Layout]:
+    """Every layout of `world` ranks with one replica (pp x tp = the world) that fits."""
+    return [lay for lay in every_layout(world, config, 1) if lay.api == "scratch" and lay.schedule == "1f1b"]
 
 
 # ---- the bubble ----------------------------------------------------------------------
@@ -88,74 +107,185 @@ def textbook_bubble(p: int, m: int) -> float:
     return (p - 1) / (m + p - 1)
 
 
-def pipeline_step(pipeline, micro_batches, loss_fn):
+def clock(device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # else the host's time would be a kernel launch's
+    return time.perf_counter()
+
+
+class LiveTensors(TorchDispatchMode):
+    """While on, every tensor storage that an operation creates, for as long as it
+    lives: `bytes()` is what they hold now. Storages that existed before (parameters,
+    their gradients) are left out, and so are views of them."""
+
+    def __init__(self, existing):
+        super().__init__()
+        self.before = {t.untyped_storage().data_ptr() for t in existing}
+        self.sizes = WeakIdKeyDictionary()  # storage -> bytes; an entry goes with its storage
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.before:
+                self.sizes[t.untyped_storage()] = t.untyped_storage().nbytes()
+        return out
+
+    def bytes(self) -> int:
+        return sum(self.sizes.values())
+
+
+class Recorder:
+    """Pipeline.step's `phase` callback: when each forward and backward started and
+    ended, and (with `live`) the bytes alive as each started."""
+
+    def __init__(self, device, live=None):
+        self.device, self.live, self.ops, self.kept = device, live, [], []
+
+    @contextmanager
+    def phase(self, name):
+        if self.live is not None:
+            self.kept.append(self.live.bytes())
+        start = clock(self.device)
+        yield
+        self.ops.append((name[0].upper(), start, clock(self.device)))
+
+
+class OnDemand(Sequence):
+    """A step's micro-batches, each made when the pipeline asks for it: the tensors a
+    micro-batch brings then count, as the step's, from its forward on."""
+
+    def __init__(self, x, y, m):
+        self.x, self.y = x.chunk(m), y.chunk(m)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i].clone(), self.y[i].clone(), None
+
+
+def replay(actions: list, durations: list) -> tuple[float, list[float]]:
+    """Every stage's operations (`actions[s]`: the schedule's order) with their measured
+    durations (`durations[s][k]`: its k-th operation's), each starting as soon as its
+    stage is free and its input is there (a forward after the previous stage's forward
+    of that micro-batch, a backward after the next stage's backward), communication
+    taking no time. Returns (the step's length, each stage's busy time)."""
+    p, done, free, pos = len(actions), {}, [0.0] * len(actions), [0] * len(actions)
+    while any(pos[s] < len(actions[s]) for s in range(p)):
+        moved = False
+        for s in range(p):
+            while pos[s] < len(actions[s]):
+                kind, i = actions[s][pos[s]]
+                needs = (s - 1, "F", i) if kind == "F" and s > 0 else (s + 1, "B", i) if kind == "B" and s < p - 1 \
+                    else None
+                if needs is not None and needs not in done:
+                    break
+                start = max(free[s], done[needs] if needs else 0.0)
+                free[s] = done[(s, kind, i)] = start + durations[s][pos[s]]
+                pos[s], moved = pos[s] + 1, True
+        if not moved:
+            raise RuntimeError("the schedule waits on itself")
+    return max(free), [sum(d) for d in durations]
+
+
+def split_step(steps, p: int, schedule: str, m: int) -> dict:
+    """One measured step, every stage's (start, end, operations): each stage's idle share
+    of the real step and busy seconds; the schedule's bubble, from a replay of the
+    schedule in which each stage's forwards and backwards take the median of its own
+    (noise of the machine taken out, the stages' imbalance left in): the idle share of
+    its busiest stage, which only waits while the pipeline fills and drains; and
+    communication and overhead, the share of the real step beyond the replay."""
+    begin, finish = min(s[0] for s in steps), max(s[1] for s in steps)
+    busy = [sum(b - a for _, a, b in s[2]) for s in steps]
+    typical = [{kind: statistics.median(b - a for k, a, b in s[2] if k == kind) for kind in "FB"} for s in steps]
+    durations = [[typical[s][kind] for kind, _ in SCHEDULES[schedule](m, p, s)] for s in range(p)]
+    length, replayed = replay([SCHEDULES[schedule](m, p, s) for s in range(p)], durations)
+    real = finish - begin
+    return {"idle": [1 - b / real for b in busy], "schedule": 1 - max(replayed) / length,
+            "communication_overhead": 1 - length / real, "busy": busy}
+
+
+def pipeline_step(pipeline, micro_batches, loss_fn, recorder):
     """One step, timed from a barrier (every stage starts together) to this stage's end."""
     dist.barrier()
     start = time.perf_counter()
-    pipeline.step(micro_batches, loss_fn)
+    pipeline.step(micro_batches, loss_fn, recorder.phase)
     end = time.perf_counter()
     for p in pipeline.module.parameters():
-        p.grad = None
-    return start, end, pipeline.events
+        p.grad.zero_()  # in place: the next step's gradients go where these were
+    return start, end, recorder.ops
 
 
-def measure_bubble(args, demo, config):
-    """For each schedule and m: every stage's bubble (median over the steps), its most
-    micro-batches in flight, and the last step's events (for the timeline)."""
-    p, stage = demo.world, demo.rank
+def measure_bubble(args, group, config):
+    """For each schedule and m: the bubble (measured, the schedule's own, the formula),
+    communication and overhead, the bytes each stage kept at most against the planner,
+    and the last step's operations (for the timeline)."""
+    p, stage = group.world, group.rank
     torch.manual_seed(args.seed)
-    model = LlamaForCausalLM(config).to(demo.device)
+    model = LlamaForCausalLM(config).to(group.device)
     module = StageModule(model, split_layers(config.num_hidden_layers, p)[stage], stage == 0, stage == p - 1)
     tokens = args.microbatch_size * args.seq_length
+    for param in module.parameters():
+        param.grad = torch.zeros_like(param)  # made before any step: a step adds into them in place
 
     def loss_fn(logits, y):
         return F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum") / tokens
 
     results = []
     for schedule in ("gpipe", "1f1b"):
-        pipeline = Pipeline(module, stage, p, stage - 1 if stage else None, stage + 1 if stage < p - 1 else None,
-                            schedule, config.hidden_size, torch.float32, demo.device)
-        pipeline.timed = True
+        pipeline = Pipeline(module, stage=stage, stages=p, prev_rank=stage - 1 if stage else None,
+                            next_rank=stage + 1 if stage < p - 1 else None, schedule=schedule,
+                            hidden_size=config.hidden_size, dtype=torch.float32, device=group.device)
         for m in map(int, args.microbatches):
             ids = torch.randint(0, config.vocab_size, (m * args.microbatch_size, args.seq_length + 1),
-                                generator=torch.Generator().manual_seed(args.seed))
-            x, y = ids[:, :-1].to(demo.device), ids[:, 1:].to(demo.device)
+                                generator=torch.Generator().manual_seed(args.seed)).to(group.device)
+            x, y = ids[:, :-1], ids[:, 1:]
             micro_batches = list(zip(x.chunk(m), y.chunk(m), [None] * m))
-            pipeline.peak_in_flight = 0
-            steps = [pipeline_step(pipeline, micro_batches, loss_fn) for _ in range(args.warmup + args.steps)]
+            steps = [pipeline_step(pipeline, micro_batches, loss_fn, Recorder(group.device))
+                     for _ in range(args.warmup + args.steps)][args.warmup:]
+            # One more step, every tensor it creates counted while it lives.
+            on_demand = OnDemand(x, y, m)
+            with LiveTensors([*module.parameters(), *module.buffers(), *(q.grad for q in module.parameters())]) \
+                    as live:
+                recorder = Recorder(group.device, live)
+                pipeline.step(on_demand, loss_fn, recorder.phase)
+            kept = max(recorder.kept)
+            del live, recorder
             everyone = [None] * p
-            dist.all_gather_object(everyone, steps[args.warmup:])
-            bubbles, busy = [[] for _ in range(p)], [[] for _ in range(p)]
-            for i in range(args.steps):  # one window per step: all stages' first start to last end
-                begin, finish = min(s[i][0] for s in everyone), max(s[i][1] for s in everyone)
-                for s in range(p):
-                    work = sum(e[3] - e[2] for e in everyone[s][i][2])
-                    busy[s].append(work)
-                    bubbles[s].append(1 - work / (finish - begin))
-            in_flight = [None] * p
-            dist.all_gather_object(in_flight, pipeline.peak_in_flight)
-            last = everyone_last_step(everyone)
-            results.append({"schedule": schedule, "m": m, "stages": p,
-                            "bubble_per_stage": [statistics.median(b) for b in bubbles],
-                            "bubble": statistics.median([statistics.median(b) for b in bubbles]),
-                            "textbook": textbook_bubble(p, m),
-                            "busy_s_per_stage": [statistics.median(b) for b in busy],
-                            "peak_in_flight_per_stage": in_flight, "timeline": last})
+            dist.all_gather_object(everyone, (steps, kept))
+            split = [split_step([s[i] for s, _ in everyone], p, schedule, m) for i in range(args.steps)]
+            results.append({
+                "schedule": schedule, "m": m, "stages": p,
+                "idle_per_stage": [statistics.median(s["idle"][k] for s in split) for k in range(p)],
+                "idle": statistics.median(statistics.median(s["idle"]) for s in split),
+                "schedule_bubble": statistics.median(s["schedule"] for s in split),
+                "communication_overhead": statistics.median(s["communication_overhead"] for s in split),
+                "textbook": textbook_bubble(p, m),
+                "busy_s_per_stage": [statistics.median(s["busy"][k] for s in split) for k in range(p)],
+                "kept_bytes_per_stage": [k for _, k in everyone],
+                "kept_bytes_planned": [stage_kept_bytes(config, tokens, args.seq_length, PRECISIONS["fp32"], 1, p, s,
+                                                        schedule, m, cpu=group.device.type == "cpu")
+                                       for s in range(p)],
+                "in_flight_planned": [in_flight(schedule, m, p, s) for s in range(p)],
+                "timeline": last_step(everyone)})
     return results
 
 
-def everyone_last_step(everyone):
-    """The last measured step's events, every stage's, as (stage, kind, micro-batch,
-    start, end) in seconds from the step's start."""
-    begin = min(s[-1][0] for s in everyone)
-    return [(s, kind, mb, a - begin, b - begin) for s, steps in enumerate(everyone) for kind, mb, a, b in steps[-1][2]]
+def last_step(everyone):
+    """The last measured step's operations, every stage's, as (stage, kind, micro-batch,
+    start, end) in seconds from the step's start. Both schedules run the forwards, and
+    the backwards, in micro-batch order: the k-th forward is micro-batch k's."""
+    steps = [s[-1] for s, _ in everyone]
+    begin, out = min(s[0] for s in steps), []
+    for stage, (_, _, ops) in enumerate(steps):
+        count = {"F": 0, "B": 0}
+        for kind, a, b in ops:
+            out.append((stage, kind, count[kind], a - begin, b - begin))
+            count[kind] += 1
+    return out
 
 
-def layouts(world: int, config) -> list[tuple[int, int]]:
-    """(pp, tp) of every layout of `world` ranks with one replica that fits the model."""
-    return [(world // tp, tp) for tp in range(1, world + 1) if world % tp == 0 and world // tp <= config.num_hidden_layers
-            and config.num_key_value_heads % tp == 0 and config.intermediate_size % tp == 0]
-
+# ---- what each rank holds ------------------------------------------------------------------
 
 def nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
@@ -176,29 +306,30 @@ def saved_bytes(run, own) -> tuple[int, object]:
     return sum(seen.values()), out
 
 
-def measure_memory(args, demo, config, pp: int, tp: int) -> dict:
+def measure_memory(args, group, config, layout: Layout) -> dict:
     """One training step of this layout, as train_llm.py takes it (split_model, AdamW),
     on one micro-batch: what this rank holds, measured and planned."""
-    mesh = init_device_mesh(demo.device.type, (1, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
+    pp, tp = layout.pp, layout.tp
+    mesh = init_device_mesh(group.device.type, (1, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
     stage, tp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("tp")
     torch.manual_seed(args.seed)
-    layout = Namespace(tp=tp, pp=pp, api="scratch", schedule="1f1b", microbatches=1)
-    module, pipeline, loss_fn, _ = split_model(LlamaForCausalLM(config).to(demo.device), mesh, layout, None,
-                                               demo.device)
-    optimizer = build_optimizer(module, 1e-3, 0.1, demo.device)
+    split = split_model(LlamaForCausalLM(config).to(group.device), mesh, layout, None, group.device)
+    module = split.module
+    optimizer = build_optimizer(module, 1e-3, 0.1, group.device)
     shape = (args.microbatch_size, args.seq_length)
     gen = torch.Generator().manual_seed(args.seed)
-    x, y = (torch.randint(0, config.vocab_size, shape, generator=gen).to(demo.device) for _ in range(2))
-    inp = x if stage == 0 else torch.randn(*shape, config.hidden_size, device=demo.device, requires_grad=True)
+    x, y = (torch.randint(0, config.vocab_size, shape, generator=gen).to(group.device) for _ in range(2))
+    inp = x if stage == 0 else torch.randn(*shape, config.hidden_size, device=group.device, requires_grad=True)
     last = stage == pp - 1
-    # one micro-batch's forward (and loss): what it saves, and the output the pipeline keeps
-    acts, out = saved_bytes(lambda: loss_fn(module(inp), y) if last else module(inp),
+    # One micro-batch's forward (and loss): what it saves, and the output the pipeline
+    # keeps for its backward (the loss, on the last stage).
+    acts, out = saved_bytes(lambda: split.loss_fn(module(inp), y) if last else module(inp),
                             [*module.parameters(), *module.buffers()])
-    acts += 0 if last else nbytes([out])
+    acts += nbytes([out])
     del out
-    pipeline.step([(x, y, None)], loss_fn)
-    measured = {"params": nbytes(map(tensor_parallel.local, module.parameters())),
-                "grads": nbytes(map(tensor_parallel.local_grad, module.parameters()))}
+    split.pipeline.step([(x, y, None)], split.loss_fn)
+    measured = {"params": nbytes(map(to_local, module.parameters())),
+                "grads": nbytes(map(local_grad, module.parameters()))}
     optimizer.step()
     measured["optimizer"] = nbytes(t for st in optimizer.state.values() for t in st.values())
     measured["activations_per_microbatch"] = acts
@@ -206,48 +337,50 @@ def measure_memory(args, demo, config, pp: int, tp: int) -> dict:
     planned = {**stage_state_bytes(config, tp, pp, stage, fp32, tp_rank),
                "activations_per_microbatch": stage_activation_bytes(
                    config, args.microbatch_size * args.seq_length, args.seq_length, fp32, tp, pp, stage, tp_rank,
-                   cpu=demo.device.type == "cpu")}
-    return {"layout": f"pp{pp}xtp{tp}" if pp > 1 and tp > 1 else f"pp{pp}" if pp > 1 else f"tp{tp}",
+                   cpu=group.device.type == "cpu")}
+    return {"layout": layout.name.removesuffix("-1f1b-scratch").removesuffix("-scratch"),
             "stage": stage, "tp_rank": tp_rank, "measured": measured, "planned": planned}
 
 
 # ---- tensor parallelism's bytes ---------------------------------------------------------
 
-def measure_tp_bytes(args, demo, config):
-    """The bytes each tp rank all-reduces in one step of one decoder layer and of the
-    whole model (forward and backward, tp = the world size), counted where
-    tensor_parallel.all_reduce is called, against the planner: per layer 4 B T h
-    elements (g after attention and after the MLP forward, f before them backward); the
-    whole model adds the embedding's g and the head's f (B T h each) and the loss's
-    three all-reduces of B T numbers."""
-    group, counted = dist.group.WORLD, []
-    real = tensor_parallel.all_reduce
+class AllReducedBytes(TorchDispatchMode):
+    """While on, the bytes of every all-reduce this rank calls, as torch's CommDebugMode
+    counts collectives: at the dispatcher, where dist.all_reduce arrives as c10d's
+    allreduce_, in forward and in backward alike."""
 
-    def counting(t, group, op=dist.ReduceOp.SUM):
-        counted.append(t.numel() * t.element_size())
-        return real(t, group, op)
-    tensor_parallel.all_reduce = counting
-    try:
-        torch.manual_seed(args.seed)
-        model = tensor_parallel.parallelize(LlamaForCausalLM(config).to(demo.device), group)
-        B, T, h = args.microbatch_size, args.seq_length, config.hidden_size
-        ids = torch.randint(0, config.vocab_size, (B, T + 1), generator=torch.Generator().manual_seed(args.seed))
-        x, y = ids[:, :-1].to(demo.device), ids[:, 1:].to(demo.device)
-        cos, sin = model.rotary(T)
-        hidden = torch.randn(B, T, h, device=demo.device, requires_grad=True)
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.c10d.allreduce_.default:
+            self.bytes += nbytes(args[0])
+        return func(*args, **(kwargs or {}))
+
+
+def measure_tp_bytes(args, group, config):
+    """The bytes each tp rank all-reduces in one step of one decoder layer and of the
+    whole model (forward and backward, tp = the world size), against the planner: per
+    layer 4 B T h numbers (g after attention and after the MLP in forward, f before them
+    in backward); the whole model adds the embedding's g and the head's f (B T h each)
+    and the loss's three all-reduces of B T numbers."""
+    torch.manual_seed(args.seed)
+    model = parallelize(LlamaForCausalLM(config).to(group.device), dist.group.WORLD)
+    B, T, h = args.microbatch_size, args.seq_length, config.hidden_size
+    ids = torch.randint(0, config.vocab_size, (B, T + 1), generator=torch.Generator().manual_seed(args.seed))
+    x, y = ids[:, :-1].to(group.device), ids[:, 1:].to(group.device)
+    cos, sin = model.rotary(T)
+    hidden = torch.randn(B, T, h, device=group.device, requires_grad=True)
+    with AllReducedBytes() as layer:
         model.layers[0](hidden, cos, sin).sum().backward()
-        layer = sum(counted)
-        counted.clear()
-        logits = model(x)
-        tensor_parallel.vocab_parallel_cross_entropy(logits.flatten(0, 1), y.flatten(), model.lm_head.start,
-                                                     group).backward()
-        whole = sum(counted)
-    finally:
-        tensor_parallel.all_reduce = real
-    layer_planned, whole_planned = tp_all_reduce_bytes(config, B * T, PRECISIONS["fp32"], demo.world, 1, 0)
-    return {"tp": demo.world, "batch_tokens": B * T, "hidden_size": h, "layer_bytes": layer,
-            "layer_planned": layer_planned, "model_bytes": whole, "model_planned": whole_planned,
-            "ring_sent_per_rank_factor": RING_FACTOR["all_reduce"](demo.world)}
+    with AllReducedBytes() as whole:
+        vocab_parallel_cross_entropy(model(x).flatten(0, 1), y.flatten(), model.lm_head.start,
+                                     dist.group.WORLD).backward()
+    layer_planned, whole_planned = tp_all_reduce_bytes(config, B * T, PRECISIONS["fp32"], group.world, 1, 0)
+    return {"tp": group.world, "batch_tokens": B * T, "hidden_size": h, "layer_bytes": layer.bytes,
+            "layer_planned": layer_planned, "model_bytes": whole.bytes, "model_planned": whole_planned,
+            "ring_sent_per_rank_factor": RING_FACTOR["all_reduce"](group.world)}
 
 
 # ---- report -----------------------------------------------------------------------------
@@ -268,8 +401,8 @@ def plot_timeline(results, path: Path, m: int):
             ax.text((start + end) / 2 * 1e3, p - 1 - stage, f"{kind}{mb}", ha="center", va="center", fontsize=8,
                     color="black" if kind == "F" else "white")
         ax.set_yticks(range(p), [f"stage {p - 1 - i}" for i in range(p)])
-        ax.set_title(f"{r['schedule']}: {p} stages, {m} micro-batches; bubble {r['bubble']:.0%} measured, "
-                     f"{r['textbook']:.0%} textbook", fontsize=10)
+        ax.set_title(f"{r['schedule']}: {p} stages, {m} micro-batches; the schedule's bubble "
+                     f"{r['schedule_bubble']:.0%} (formula {r['textbook']:.0%}), idle {r['idle']:.0%}", fontsize=10)
     axes[-1, 0].set_xlabel("ms from the step's start (F: forward, B: backward of micro-batch n)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -277,20 +410,23 @@ def plot_timeline(results, path: Path, m: int):
 
 
 def tables(results, memory, tp_bytes) -> str:
-    """The three tables, in Markdown: the bubble, what each rank holds, tp's bytes."""
-    mib = {(m["stage"]): m["measured"]["activations_per_microbatch"] / 2**20 for m in memory
-           if m["layout"] == f"pp{results[0]['stages']}"}
-    rows = []
-    for r in results:
-        p = r["stages"]
-        planned = [in_flight(r["schedule"], r["m"], p, s) for s in range(p)]
-        rows.append((r["schedule"], r["m"], f"{r['bubble']:.1%}", f"{r['textbook']:.1%}",
-                     ", ".join(map(str, r["peak_in_flight_per_stage"])), ", ".join(map(str, planned)),
-                     ", ".join(f"{n * mib[s]:.2f}" for s, n in enumerate(r["peak_in_flight_per_stage"]))))
-    out = ["the bubble: the share of a step a stage is idle (median over stages and steps), and the "
-           "micro-batches whose activations each stage held at once\n",
-           markdown_table(("schedule", "micro-batches", "bubble", "textbook (p-1)/(m+p-1)", "held, per stage",
-                           "planner", "activations held, MiB per stage"), rows, right=(1, 2, 3))]
+    """The four tables, in Markdown: the bubble, what each stage keeps, what each rank
+    holds, tp's bytes."""
+    rows = [(r["schedule"], r["m"], f"{r['textbook']:.1%}", f"{r['schedule_bubble']:.1%}", f"{r['idle']:.1%}",
+             f"{r['communication_overhead']:.1%}") for r in results]
+    out = ["the bubble: the formula, the schedule's own (the measured operations replayed with free "
+           "communication), the share of the real step a stage computes nothing (median over stages and steps), "
+           "and the share of the real step beyond the replay (communication and overhead)\n",
+           markdown_table(("schedule", "micro-batches", "formula (p-1)/(m+p-1)", "the schedule's bubble", "idle",
+                           "communication and overhead"), rows, right=range(1, 6))]
+    rows = [(r["schedule"], r["m"], ", ".join(f"{k / 2**20:.2f}" for k in r["kept_bytes_per_stage"]),
+             ", ".join(map(str, r["in_flight_planned"])),
+             "the same" if r["kept_bytes_per_stage"] == r["kept_bytes_planned"] else
+             ", ".join(f"{k:,}" for k in r["kept_bytes_planned"])) for r in results]
+    out += ["\nwhat each stage keeps at most between its operations (MiB; as a forward or backward starts: the "
+            "micro-batches in flight, the gradient just received), and the planner\n",
+            markdown_table(("schedule", "micro-batches", "kept, MiB per stage", "micro-batches in flight (planner)",
+                            "planner's bytes"), rows, right=(1, 2, 3))]
     parts = ("params", "grads", "optimizer", "activations_per_microbatch")
     rows = [(m["layout"], f"{m['stage']}, {m['tp_rank']}", *(f"{m['measured'][k]:,}" for k in parts),
              "the same" if m["measured"] == m["planned"] else
@@ -311,40 +447,41 @@ def tables(results, memory, tp_bytes) -> str:
     return "\n".join(out)
 
 
-def report(args, demo, config, results, memory, tp_bytes, run_dir):
+def report(args, group, config, results, memory, tp_bytes, run_dir):
     text = tables(results, memory, tp_bytes)
-    print("\n" + text, flush=True)
+    print(f"\nvocabulary {args.vocab_size}, micro-batches of {args.microbatch_size} x {args.seq_length} tokens\n\n"
+          + text, flush=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "tables.md").write_text(text + "\n")  # what the tour's report shows
-    m = max(n for n in map(int, args.microbatches) if n <= 4)
+    counts = sorted(map(int, args.microbatches))
+    m = max([n for n in counts if n <= 4], default=counts[0])  # a timeline that still reads
     plot_timeline(results, run_dir / "pipeline-timeline.png", m)
     (run_dir / "measure.json").write_text(json.dumps(
-        {"world_size": demo.world, "args": vars(args), "model_config": config.to_dict(), "pipeline": results,
+        {"world_size": group.world, "args": vars(args), "model_config": config.to_dict(), "pipeline": results,
          "memory": memory, "tensor_parallel": tp_bytes, "torch_version": torch.__version__}, indent=1) + "\n")
     print(f"\noutputs in {run_dir} (timeline: pipeline-timeline.png, m = {m})", flush=True)
 
 
 def main():
     args = parse_args()
-    demo = start_demo(args.timeout)
+    group = start_demo(args.timeout)
     try:
-        share_cpu_threads(demo.device)  # one process per core: a stage never waits for a core
-        run_dir = claim_run_folder(Path(args.save_dir) / args.experiment_name, rank=demo.rank)
+        share_cpu_threads(group.device)  # one process per core: a stage never waits for a core
+        run_dir = claim_run_folder(Path(args.save_dir) / args.experiment_name, rank=group.rank)
         config = get_config(args.model_preset, args.vocab_size)
-        if demo.rank == 0:
-            print(f"{demo.world} stages, {args.model_preset} preset, vocabulary {args.vocab_size}, micro-batches "
+        if group.rank == 0:
+            print(f"{group.world} stages, {args.model_preset} preset, vocabulary {args.vocab_size}, micro-batches "
                   f"of {args.microbatch_size} x {args.seq_length} tokens; m = {', '.join(args.microbatches)}; "
                   f"{args.steps} steps each after {args.warmup}", flush=True)
-        results = measure_bubble(args, demo, config)
-        memory = []
-        for pp, tp in layouts(demo.world, config):
-            every = [None] * demo.world
-            dist.all_gather_object(every, measure_memory(args, demo, config, pp, tp))
+        results = measure_bubble(args, group, config)
+        memory, layouts = [], one_replica(group.world, config)
+        for layout in layouts:
+            every = [None] * group.world
+            dist.all_gather_object(every, measure_memory(args, group, config, layout))
             memory += every
-        tp_bytes = measure_tp_bytes(args, demo, config) if (demo.world, demo.world) in \
-            [(pp * tp, tp) for pp, tp in layouts(demo.world, config)] else None
-        if demo.rank == 0:
-            report(args, demo, config, results, memory, tp_bytes, run_dir)
+        tp_bytes = measure_tp_bytes(args, group, config) if any(lay.tp == group.world for lay in layouts) else None
+        if group.rank == 0:
+            report(args, group, config, results, memory, tp_bytes, run_dir)
         dist.barrier()
     finally:
         gc_and_destroy_process_group()

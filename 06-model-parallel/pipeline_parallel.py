@@ -2,7 +2,7 @@
 
 The decoder layers are split into `pp` consecutive stages, one per rank of a pipeline
 group: stage 0 also holds the embedding, the last stage the final norm and lm_head.
-A stage sends its output activations to the next stage (`dist.isend` / `dist.recv`:
+A stage sends its output activations to the next stage (`dist.isend` and `dist.irecv`:
 point to point, not a collective) and gets the gradient of those activations back.
 
 A batch is cut into m micro-batches so that the stages work at the same time, each on
@@ -21,7 +21,6 @@ gradients add up in the same order: the two schedules give the same bits.
 
 from __future__ import annotations
 
-import time
 from contextlib import nullcontext
 
 import torch
@@ -112,68 +111,84 @@ class Pipeline:
 
     `prev_rank`, `next_rank`: the global ranks of the neighbouring stages (None at the
     ends). Every rank of the pipeline has every micro-batch (x, y, mask): the first stage
-    reads x, the last y, each stage the mask. Sends are asynchronous (isend) and waited
-    for at the end of the step: in 1F1B a stage sends activations forward while its
-    neighbour sends gradients back, and two blocking sends could wait on each other."""
+    reads x, the last y, each stage the mask.
 
-    def __init__(self, module, stage: int, stages: int, prev_rank, next_rank, schedule: str,
+    Sends and receives. What an operation sends (a forward's output, a backward's input
+    gradient) goes out with the receive of the next operation, in one batch
+    (`dist.batch_isend_irecv`), which is then waited for. In 1F1B's steady state stage s
+    sends an activation to stage s + 1 at the moment that stage sends it a gradient
+    back; on NCCL a send may wait until its receive is posted, so two sends issued apart
+    could wait on each other for ever. Fired as one batch, each pair completes (torch's
+    Schedule1F1B and Megatron-LM pair them the same way). A tensor is let go as soon as
+    its send is done: a stage keeps only the micro-batches whose backward is still to
+    come."""
+
+    def __init__(self, module, *, stage: int, stages: int, prev_rank, next_rank, schedule: str,
                  hidden_size: int, dtype, device):
         self.module, self.stage, self.stages, self.schedule = module, stage, stages, schedule
         self.prev_rank, self.next_rank = prev_rank, next_rank
         self.first, self.last = stage == 0, stage == stages - 1
         self.hidden_size, self.dtype, self.device = hidden_size, dtype, device
-        self.events = []  # (kind, micro-batch, start, end) of each forward and backward: measure.py
-        self.peak_in_flight = 0  # the most micro-batches whose activations were held at once
-        self.timed = False  # measure.py: on a GPU, wait for the device at each timestamp
-
-    def clock(self) -> float:
-        if self.timed and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # else the host's time would be a launch's
-        return time.perf_counter()
-
-    def recv(self, shape, src):
-        buffer = torch.empty(shape, dtype=self.dtype, device=self.device)
-        dist.recv(buffer, src=src)
-        return buffer
+        self.held = {}  # micro-batch -> (input, output), from its forward until its backward
+        self.outbox = []  # what the last operation sends, fired with the next receive
 
     def step(self, micro_batches, loss_fn, phase=None):
         """Forward and backward of every micro-batch, in the schedule's order; gradients
         accumulate in .grad. `loss_fn(logits, y)` gives a micro-batch's share of the
-        step's loss. `phase(name)` (the tracker's) times each forward and backward; what
-        a stage spends waiting for its neighbours stays outside. Returns the sum of the
-        micro-batch losses on the last stage, 0 elsewhere."""
+        step's loss. `phase(name)` (the tracker's) is entered around each forward and
+        backward, after its receive: what a stage spends waiting for its neighbours stays
+        outside. Returns the sum of the micro-batch losses on the last stage, 0 elsewhere."""
         phase = phase or (lambda name: nullcontext())
-        sends, held, losses = [], {}, []
-        self.events = []
+        total = torch.zeros((), device=self.device)
         for kind, i in SCHEDULES[self.schedule](len(micro_batches), self.stages, self.stage):
-            x, y, mask = micro_batches[i]
             if kind == "F":
-                # the previous stage's activations: a leaf whose .grad we send back
-                inp = x if self.first else self.recv((*x.shape, self.hidden_size), self.prev_rank).requires_grad_()
-                start = self.clock()
-                with phase("forward"), record_function(f"forward {i}"):
-                    out = self.module(inp, mask)
-                    if self.last:
-                        out = loss_fn(out, y)
-                self.events.append(("F", i, start, self.clock()))
-                if self.last:
-                    losses.append(out.detach())
-                else:
-                    sends.append((dist.isend(out.detach(), dst=self.next_rank), out))
-                held[i] = (inp, out)  # its graph, and so its activations, live until its backward
-                self.peak_in_flight = max(self.peak_in_flight, len(held))
+                loss = self.forward(i, micro_batches[i], loss_fn, phase)
+                if loss is not None:
+                    total = total + loss
             else:
-                inp, out = held.pop(i)
-                grad = None if self.last else self.recv(out.shape, self.next_rank)
-                start = self.clock()
-                with phase("backward"), record_function(f"backward {i}"):
-                    torch.autograd.backward(out, grad)  # the last stage: out is the loss
-                self.events.append(("B", i, start, self.clock()))
-                if not self.first:
-                    sends.append((dist.isend(inp.grad, dst=self.prev_rank), inp.grad))
-        for work, _ in sends:  # each tensor stays referenced here until its send is done
-            work.wait()
-        return torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
+                self.backward(i, phase)
+        self.exchange()  # the last operation's send
+        return total
+
+    def exchange(self, source=None, shape=None):
+        """Fire the sends in the outbox together with one receive (a tensor of `shape`
+        from global rank `source`; none if `source` is None), wait for all of them, and
+        return what was received. Called before every forward and backward, so that what
+        one operation sends goes out before the next one starts."""
+        ops, received = self.outbox, None
+        if source is not None:
+            received = torch.empty(shape, dtype=self.dtype, device=self.device)
+            ops = ops + [dist.P2POp(dist.irecv, received, source)]
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        self.outbox = []  # sent: the tensors are no longer ours to keep
+        return received
+
+    def forward(self, i, micro_batch, loss_fn, phase):
+        """Micro-batch i's forward (and, on the last stage, its loss, which it returns)."""
+        x, y, mask = micro_batch
+        received = self.exchange(None if self.first else self.prev_rank, (*x.shape, self.hidden_size))
+        # the previous stage's activations: a leaf whose .grad this stage sends back
+        inp = x if self.first else received.requires_grad_()
+        with phase("forward"), record_function(f"forward {i}"):
+            out = self.module(inp, mask)
+            if self.last:
+                out = loss_fn(out, y)
+        self.held[i] = (inp, out)  # its graph, and so its activations, live until its backward
+        if self.last:
+            return out.detach()
+        self.outbox.append(dist.P2POp(dist.isend, out.detach(), self.next_rank))
+        return None
+
+    def backward(self, i, phase):
+        """Micro-batch i's backward, from the gradient of its output (the next stage's)."""
+        grad = self.exchange(None if self.last else self.next_rank, self.held[i][1].shape)
+        inp, out = self.held.pop(i)
+        with phase("backward"), record_function(f"backward {i}"):
+            torch.autograd.backward(out, grad)  # the last stage: out is the loss
+        if not self.first:
+            self.outbox.append(dist.P2POp(dist.isend, inp.grad, self.prev_rank))
 
 
 class TorchPipeline:
@@ -193,7 +208,6 @@ class TorchPipeline:
         # global token mean, as in chapter 01): the micro-batches' gradients must add up.
         self.schedule = kind(self.stage, microbatches, loss_fn=lambda out, y: self.loss_fn(out, y),
                              scale_grads=False)
-        self.peak_in_flight = None  # not observable from outside torch's schedule
 
     def step(self, micro_batches, loss_fn, phase=None):
         self.loss_fn = loss_fn

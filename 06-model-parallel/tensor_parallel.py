@@ -18,14 +18,16 @@ conjugate autograd functions put the all-reduces where the data meet:
     g  after the row-parallel layer: all-reduce forward (sum the partial outputs),
        identity backward (the gradient of a sum reaches every term unchanged)
 
+Here f is `copy_to_tp` and g is `reduce_from_tp` (Megatron-LM's names for them).
 Attention is split by heads (q, k, v column-parallel, o row-parallel), the SwiGLU MLP
 by its intermediate features (gate, up column-parallel, down row-parallel): one f and
 one g each, so two all-reduces forward and two backward per decoder layer. The
 embedding and the output layer are split over the vocabulary.
 
-`parallelize` turns a `common.model.LlamaForCausalLM` into this, in place, from its own
-weights: built with chapter 01's seed and then split, it starts from chapter 01's
-weights exactly. `parallelize_with_torch` does the same with
+`parallelize` turns a `common.model.LlamaForCausalLM` into this, in place: its attention
+and MLP modules stay the model's own, with their linear layers swapped for split ones
+built from the same weights. Built with chapter 01's seed and then split, the model
+starts from chapter 01's weights exactly. `parallelize_with_torch` does the same with
 `torch.distributed.tensor.parallel`.
 """
 
@@ -39,13 +41,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from common.data import IGNORE_INDEX
-from common.model import apply_rotary, shares_kv_heads
-
-
-def all_reduce(t, group, op=dist.ReduceOp.SUM):
-    """Where the layers below communicate, all of it (measure.py counts the bytes here)."""
-    dist.all_reduce(t, op=op, group=group)
-    return t
 
 
 # ---- the two conjugate functions ----------------------------------------------------
@@ -60,7 +55,9 @@ class CopyToTensorParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return all_reduce(grad.clone(), ctx.group), None  # a copy: autograd may share `grad`
+        grad = grad.clone()  # a copy: autograd may share `grad` with another function
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 class ReduceFromTensorParallel(torch.autograd.Function):
@@ -68,18 +65,22 @@ class ReduceFromTensorParallel(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        return all_reduce(x.clone(), group)  # a copy: the all-reduce writes in place
+        x = x.clone()  # a copy: the all-reduce writes in place, and x is the caller's
+        dist.all_reduce(x, group=group)
+        return x
 
     @staticmethod
     def backward(ctx, grad):
         return grad, None
 
 
-def f(x, group):
+def copy_to_tp(x, group):
+    """f: before the column-parallel layers that read x."""
     return CopyToTensorParallel.apply(x, group)
 
 
-def g(x, group):
+def reduce_from_tp(x, group):
+    """g: after a row-parallel layer, its partial outputs summed."""
     return ReduceFromTensorParallel.apply(x, group)
 
 
@@ -111,33 +112,36 @@ def is_tp_sharded(p) -> bool:
     return hasattr(p, "tp_dim")
 
 
-def local(t):
+def to_local(t):
     """This rank's own tensor: a DTensor's local slice, any other tensor itself."""
     return t.to_local() if isinstance(t, DTensor) else t
 
 
 def local_grad(p):
-    """This rank's slice of p's gradient. torch's Rowwise embedding leaves its gradient
-    whole on every rank (Replicate, torch 2.13): it is cut here as the weight is, so that
-    every rank holds, and counts, its own slice only."""
+    """This rank's slice of p's gradient. torch's Rowwise embedding builds its gradient
+    whole on every rank (a Replicate DTensor of V x h, torch 2.13): tp times the memory of
+    its slice. It is cut here as the weight is, so that every rank keeps, and counts, its
+    own slice only."""
     if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
         p.grad = p.grad.redistribute(p.device_mesh, p.placements)
-    return local(p.grad)
+    return to_local(p.grad)
 
 
 @torch.no_grad()
-def full_weight(p, group) -> torch.Tensor:
-    """The whole tensor of parameter `p`, a copy (a collective over `group` for a slice):
-    the slices gathered, each padded to the largest (all_gather takes equal sizes)."""
-    if isinstance(p, DTensor):
-        return p.full_tensor()
+def full_weight(p, group, value=None) -> torch.Tensor:
+    """The whole tensor of parameter `p`, or of `value` (its gradient, say) cut as p is,
+    a copy (a collective over `group` for a slice): the slices gathered, each padded to
+    the largest (all_gather takes equal sizes)."""
+    value = p if value is None else value
+    if isinstance(value, DTensor):
+        return value.full_tensor()
     if not hasattr(p, "tp_dim"):
-        return p.detach().clone()
+        return value.detach().clone()
     dim, tp = p.tp_dim, dist.get_world_size(group)
-    shape = list(p.shape)
+    shape = list(value.shape)
     shape[dim] = -(-p.tp_size // tp)
-    padded = p.new_zeros(shape)
-    padded.narrow(dim, 0, p.shape[dim]).copy_(p)
+    padded = value.new_zeros(shape)
+    padded.narrow(dim, 0, value.shape[dim]).copy_(value)
     parts = [torch.empty_like(padded) for _ in range(tp)]
     dist.all_gather(parts, padded, group=group)
     return torch.cat(parts, dim).narrow(dim, 0, p.tp_size)
@@ -178,60 +182,7 @@ class RowParallelLinear(nn.Module):
         self.weight = shard_parameter(linear.weight, 1, group)
 
     def forward(self, x):
-        return g(F.linear(x, self.weight), self.group)
-
-
-class ParallelAttention(nn.Module):
-    """Grouped-query attention split by heads: this rank's n_heads/tp query heads and
-    n_kv_heads/tp KV heads. Query head i reads KV head i // (n_heads/n_kv_heads), and
-    slicing both in rank order keeps every query head with its KV head on one rank.
-
-    tp may not exceed the KV heads: a rank would then need a KV head another rank holds
-    too (Megatron replicates it, and sums its gradients over the ranks that share it: one
-    more all-reduce, and copies to keep equal). The command line refuses that instead."""
-
-    def __init__(self, attn, group):
-        super().__init__()
-        tp = dist.get_world_size(group)
-        self.group, self.head_dim = group, attn.head_dim
-        self.n_heads, self.n_kv_heads = attn.n_heads // tp, attn.n_kv_heads // tp
-        self.q_proj = ColumnParallelLinear(attn.q_proj, group)
-        self.k_proj = ColumnParallelLinear(attn.k_proj, group)
-        self.v_proj = ColumnParallelLinear(attn.v_proj, group)
-        self.o_proj = RowParallelLinear(attn.o_proj, group)
-
-    def forward(self, x, cos, sin, attn_mask=None):
-        B, T, _ = x.shape
-        x = f(x, self.group)  # one f for q, k and v: their input gradients add up locally first
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        # from here on as common.model.Attention, with this rank's heads
-        mask = None if attn_mask is None else attn_mask.to(q.dtype)
-        gqa = self.n_kv_heads != self.n_heads
-        if gqa and not shares_kv_heads(q.device.type, q.dtype, masked=mask is not None):
-            groups = self.n_heads // self.n_kv_heads
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-            gqa = False
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))  # g inside: the heads' outputs summed
-
-
-class ParallelMLP(nn.Module):
-    """SwiGLU split by intermediate features: silu(gate) * up is elementwise, so each
-    rank computes it on its own slice, and down (row-parallel) sums the slices."""
-
-    def __init__(self, mlp, group):
-        super().__init__()
-        self.group = group
-        self.gate_proj = ColumnParallelLinear(mlp.gate_proj, group)
-        self.up_proj = ColumnParallelLinear(mlp.up_proj, group)
-        self.down_proj = RowParallelLinear(mlp.down_proj, group)
-
-    def forward(self, x):
-        x = f(x, self.group)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return reduce_from_tp(F.linear(x, self.weight), self.group)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -245,10 +196,10 @@ class VocabParallelEmbedding(nn.Module):
         self.start = shard_range(embedding.weight.shape[0], dist.get_rank(group), dist.get_world_size(group))[0]
 
     def forward(self, ids):
-        local = ids - self.start
-        elsewhere = (local < 0) | (local >= self.weight.shape[0])
-        out = F.embedding(local.masked_fill(elsewhere, 0), self.weight)
-        return g(out.masked_fill(elsewhere.unsqueeze(-1), 0.0), self.group)
+        rows = ids - self.start  # the token's row in this rank's slice, if it is here
+        elsewhere = (rows < 0) | (rows >= self.weight.shape[0])
+        out = F.embedding(rows.masked_fill(elsewhere, 0), self.weight)
+        return reduce_from_tp(out.masked_fill(elsewhere.unsqueeze(-1), 0.0), self.group)
 
 
 class VocabParallelHead(nn.Module):
@@ -262,7 +213,7 @@ class VocabParallelHead(nn.Module):
         self.start = shard_range(linear.weight.shape[0], dist.get_rank(group), dist.get_world_size(group))[0]
 
     def forward(self, x):
-        logits = F.linear(f(x, self.group), self.weight)
+        logits = F.linear(copy_to_tp(x, self.group), self.weight)
         return logits.to(torch.promote_types(logits.dtype, torch.float32))  # as the model's head
 
 
@@ -273,23 +224,45 @@ def vocab_parallel_cross_entropy(logits, targets, vocab_start: int, group):
     of N x V): the largest logit (a shift, for exp's range), the sum of exp, the target's
     logit (from the one rank that holds it). g's identity backward is the right gradient
     of the two sums: each rank then gets softmax - onehot for its own columns."""
-    top = all_reduce(logits.detach().max(dim=-1).values, group, dist.ReduceOp.MAX)  # no gradient: the shift cancels
+    top = logits.detach().max(dim=-1).values  # no gradient: the shift cancels out of the loss
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
     shifted = logits - top.unsqueeze(-1)
-    sum_exp = g(shifted.exp().sum(dim=-1), group)
-    local = targets - vocab_start
-    mine = (local >= 0) & (local < logits.shape[-1])
-    target_logit = shifted.gather(-1, local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
-    target_logit = g(target_logit * mine, group)
+    sum_exp = reduce_from_tp(shifted.exp().sum(dim=-1), group)
+    column = targets - vocab_start  # the target's column in this rank's slice, if it is here
+    mine = (column >= 0) & (column < logits.shape[-1])
+    target_logit = shifted.gather(-1, column.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
+    target_logit = reduce_from_tp(target_logit * mine, group)
     loss = sum_exp.log() - target_logit
     return loss.masked_fill(targets == IGNORE_INDEX, 0.0).sum()
 
 
 def parallelize(model, group):
-    """Split `model` (a LlamaForCausalLM) over the ranks of `group`, in place."""
+    """Split `model` (a LlamaForCausalLM) over the ranks of `group`, in place. Each
+    decoder layer keeps its own attention and MLP modules: their linear layers become
+    column- and row-parallel ones, attention counts this rank's heads, and a hook puts
+    f in front of each (one f for q, k and v: their input gradients add up on the rank
+    first, then one all-reduce). The vocabulary is split in the embedding and the head.
+
+    tp must divide the KV heads (layout_for refuses it otherwise): with more ranks than
+    KV heads, a rank would need a KV head that another rank holds too. Megatron-LM
+    refuses that as well; inference engines replicate such heads, which training would
+    have to keep equal by summing their gradients over the ranks that share them."""
+    tp = dist.get_world_size(group)
+
+    def copy_input(module, args):
+        return (copy_to_tp(args[0], group), *args[1:])
+
     model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, group)
     for layer in model.layers:
-        layer.self_attn = ParallelAttention(layer.self_attn, group)
-        layer.mlp = ParallelMLP(layer.mlp, group)
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.q_proj, attn.k_proj, attn.v_proj = (ColumnParallelLinear(lin, group)
+                                                 for lin in (attn.q_proj, attn.k_proj, attn.v_proj))
+        attn.o_proj = RowParallelLinear(attn.o_proj, group)  # g inside: the heads' outputs summed
+        attn.n_heads, attn.n_kv_heads = attn.n_heads // tp, attn.n_kv_heads // tp  # the views count these
+        mlp.gate_proj, mlp.up_proj = (ColumnParallelLinear(lin, group) for lin in (mlp.gate_proj, mlp.up_proj))
+        mlp.down_proj = RowParallelLinear(mlp.down_proj, group)  # silu(gate) * up is elementwise: no all-reduce
+        attn.register_forward_pre_hook(copy_input)
+        mlp.register_forward_pre_hook(copy_input)
     model.lm_head = VocabParallelHead(model.lm_head, group)
     return model
 
@@ -311,7 +284,7 @@ def parallelize_with_torch(model, tp_mesh):
             "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
             "mlp.down_proj": RowwiseParallel(),
         })
-        # the outputs are this rank's columns as plain tensors: the views count local heads
+        # The outputs are this rank's columns as plain tensors, so the views count its own heads.
         layer.self_attn.n_heads //= tp
         layer.self_attn.n_kv_heads //= tp
     parallelize_module(model, tp_mesh, {

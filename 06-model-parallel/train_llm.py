@@ -14,15 +14,10 @@ import itertools
 import json
 import os
 import random
-import signal
-import sys
 from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
-
-# Ctrl-C while the imports below run (seconds) waits for run_main, which says it in one line
-if __name__ == "__main__" and hasattr(signal, "pthread_sigmask"):
-    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -31,21 +26,20 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.data import DataLoader, DistributedSampler
 
-# Runnable from the repo root or from inside this folder, installed or not.
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
-from pipeline_parallel import SCHEDULES, Pipeline, StageModule, TorchPipeline, split_layers, stage_of  # noqa: E402
-from tensor_parallel import (full_weight, is_tp_sharded, local_grad, parallelize, parallelize_with_torch,  # noqa: E402
+from common.cli import base_parser, one_of, positive_int, setup_logging
+from common.data import IGNORE_INDEX, build_datasets, check_enough_samples, dataset_info, local_rank0_first, worker_start_method
+from common.distributed import backend_for, gc_and_destroy_process_group
+from common.environment import environment_info, exit_with_launcher, set_tf32, share_cpu_threads
+from common.errors import UsageError, run_main
+from common.layout import APIS, SCHEDULES, Layout, layout_for
+from common.masks import build_attention_mask
+from common.model import LlamaForCausalLM, describe, flops_per_token, get_config, num_parameters
+from common.runfolder import claim_run_folder, save_weights
+from common.metrics import Tracker
+from common.training import build_optimizer, evaluate, lr_lambda, sample
+from pipeline_parallel import Pipeline, StageModule, TorchPipeline, split_layers, stage_of
+from tensor_parallel import (full_weight, is_tp_sharded, local_grad, parallelize, parallelize_with_torch,
                              torch_cross_entropy, vocab_parallel_cross_entropy)
-from common.cli import base_parser, one_of, positive_int, setup_logging  # noqa: E402
-from common.data import IGNORE_INDEX, build_datasets, check_enough_samples, dataset_info, local_rank0_first, worker_start_method  # noqa: E402
-from common.distributed import backend_for, gc_and_destroy_process_group  # noqa: E402
-from common.environment import environment_info, exit_with_launcher, set_tf32, share_cpu_threads  # noqa: E402
-from common.errors import UsageError, run_main  # noqa: E402
-from common.masks import build_attention_mask  # noqa: E402
-from common.model import PRESETS, LlamaForCausalLM, describe, flops_per_token, get_config, num_parameters  # noqa: E402
-from common.runfolder import claim_run_folder, save_weights  # noqa: E402
-from common.metrics import Tracker  # noqa: E402
-from common.training import build_optimizer, evaluate, lr_lambda, sample  # noqa: E402
 
 CHAPTER = "06-model-parallel"
 
@@ -65,34 +59,25 @@ def parse_args(argv=None):
                         "with --pp 2 or more: one sample each, the smallest bubble; else 1)")
     g.add_argument("--schedule", type=one_of(*SCHEDULES), default="1f1b",
                    help="gpipe: all forwards, then all backwards; 1f1b: one forward, one backward")
-    g.add_argument("--api", type=one_of("scratch", "torch"), default="scratch",
+    g.add_argument("--api", type=one_of(*APIS), default="scratch",
                    help="scratch: this chapter's tensor_parallel.py and pipeline_parallel.py; torch: "
                         "torch.distributed.tensor.parallel and torch.distributed.pipelining")
     parser.checks.insert(0, check_layout)  # before "launch with torchrun": the flags come first
     return parser.parse_args(argv)
 
 
+def layout_of(args) -> Layout:
+    """The run's dp x pp x tp layout, from its flags and the world size torchrun gives.
+    Raises UsageError where the split does not fit the model, the world or the batch."""
+    return layout_for(int(os.environ.get("WORLD_SIZE", "1")), get_config(args.model_preset, args.vocab_size),
+                      args.batch_size, tp=args.tp, pp=args.pp, microbatches=args.microbatches,
+                      schedule=args.schedule, api=args.api, model=f"the {args.model_preset!r} preset's")
+
+
 def check_layout(args):
     """The split must fit the model, the world and the batch. Raises UsageError."""
-    preset, world = PRESETS[args.model_preset], int(os.environ.get("WORLD_SIZE", "1"))
-    for key, what in (("num_attention_heads", "attention heads"), ("num_key_value_heads", "KV heads"),
-                      ("intermediate_size", "MLP features")):
-        if preset[key] % args.tp:  # tp > KV heads too: each rank needs KV heads of its own
-            raise UsageError(f"--tp {args.tp} does not divide the {args.model_preset!r} preset's "
-                             f"{preset[key]} {what}")
-    if args.pp > preset["num_hidden_layers"]:
-        raise UsageError(f"--pp {args.pp} exceeds the {args.model_preset!r} preset's "
-                         f"{preset['num_hidden_layers']} layers: a stage needs one at least")
-    if world % (args.tp * args.pp):
-        raise UsageError(f"the world size {world} is not a multiple of --tp {args.tp} x --pp {args.pp}: "
-                         f"data parallelism takes world / (tp x pp) replicas")
-    if args.microbatches is None:
-        args.microbatches = args.batch_size if args.pp > 1 else 1
-    if args.batch_size % args.microbatches:
-        raise UsageError(f"--microbatches {args.microbatches} does not divide --batch-size {args.batch_size}")
-    if args.api == "torch" and args.schedule == "1f1b" and args.microbatches < args.pp:
-        raise UsageError(f"torch's Schedule1F1B needs --microbatches >= --pp ({args.microbatches} < {args.pp})")
-    if args.compile and args.tp * args.pp > 1:
+    layout = layout_of(args)
+    if args.compile and layout.tp * layout.pp > 1:
         raise UsageError("--compile applies to data parallelism only here (--tp 1 --pp 1): the "
                          "model-parallel layers communicate inside forward and backward")
 
@@ -161,31 +146,41 @@ def compute_loss(logits, y):
                            reduction="sum")
 
 
-def split_model(model, mesh, args, autocast, device):
+class Split(NamedTuple):
+    """What split_model gives a rank: its part of the model and how to train it."""
+    module: torch.nn.Module  # this stage's layers, each holding this rank's tensor-parallel slice
+    pipeline: Pipeline | TorchPipeline  # runs the stage's forwards and backwards in the schedule's order
+    loss_fn: Callable  # a micro-batch's summed loss, from the last stage's logits and the targets
+    step_context: Callable  # the context every step runs in (torch's loss_parallel, or none)
+
+
+def split_model(model, mesh, layout: Layout, autocast, device) -> Split:
     """This rank's part of `model`: its tensor-parallel slice of every weight, then its
-    pipeline stage's layers. Returns the stage's module, the pipeline that runs it, the
-    loss of a micro-batch's logits, and the context its steps run in."""
+    pipeline stage's layers, with the pipeline that runs them and the loss of a
+    micro-batch's logits."""
     tp_group, step_context = mesh.get_group("tp") if mesh else None, nullcontext
     loss_fn = compute_loss
-    if args.tp > 1 and args.api == "torch":
+    if layout.tp > 1 and layout.api == "torch":
         parallelize_with_torch(model, mesh["tp"])
         loss_fn, step_context = torch_cross_entropy, loss_parallel  # its backward needs loss_parallel too
-    elif args.tp > 1:
+    elif layout.tp > 1:
         start = parallelize(model, tp_group).lm_head.start  # this rank's first token of the vocabulary
         loss_fn = lambda logits, y: vocab_parallel_cross_entropy(  # noqa: E731
             logits.flatten(0, -2), y.reshape(-1), start, tp_group)
     stage = mesh.get_local_rank("pp") if mesh else 0
-    module = StageModule(model, split_layers(len(model.layers), args.pp)[stage], stage == 0,
-                         stage == args.pp - 1, autocast)
-    if args.api == "torch" and args.pp > 1:
-        pipeline = TorchPipeline(module, stage, args.pp, mesh.get_group("pp"), args.schedule,
-                                 args.microbatches, device)
+    module = StageModule(model, split_layers(len(model.layers), layout.pp)[stage], stage == 0,
+                         stage == layout.pp - 1, autocast)
+    if layout.api == "torch" and layout.pp > 1:
+        pipeline = TorchPipeline(module, stage, layout.pp, mesh.get_group("pp"), layout.schedule,
+                                 layout.microbatches, device)
     else:  # the neighbouring stages hold the same tp slice, tp ranks away (tp is innermost)
         rank = dist.get_rank() if mesh else 0
-        pipeline = Pipeline(module, stage, args.pp, rank - args.tp if stage > 0 else None,
-                            rank + args.tp if stage < args.pp - 1 else None, args.schedule,
-                            model.config.hidden_size, model.norm.weight.dtype, device)
-    return module, pipeline, loss_fn, step_context
+        pipeline = Pipeline(module, stage=stage, stages=layout.pp,
+                            prev_rank=rank - layout.tp if stage > 0 else None,
+                            next_rank=rank + layout.tp if stage < layout.pp - 1 else None,
+                            schedule=layout.schedule, hidden_size=model.config.hidden_size,
+                            dtype=model.norm.weight.dtype, device=device)
+    return Split(module, pipeline, loss_fn, step_context)
 
 
 @torch.no_grad()
@@ -249,15 +244,16 @@ def main():
     log.info("arguments: %s", json.dumps(vars(args)))
     log.info("rank %d of %d, device %s, backend %s, dtype %s, seed %d", rank, world_size,
              device, dist.get_backend() if distributed else None, dtype, args.seed)
-    # The layout: rank = (dp_rank x pp + stage) x tp + tp_rank. tp innermost: a tensor-
-    # parallel group's ranks are neighbours (one machine on a cluster: they talk in every
-    # layer); the stages of a pipeline are tp ranks apart; the dp replicas furthest.
-    dp = world_size // (args.tp * args.pp)
-    mesh = init_device_mesh(device.type, (dp, args.pp, args.tp), mesh_dim_names=("dp", "pp", "tp")) \
+    # The layout: rank = (dp_rank x pp + stage) x tp + tp_rank. tp is innermost, so a
+    # tensor-parallel group's ranks are neighbours (one machine on a cluster: they talk in
+    # every layer); the stages of a pipeline are tp ranks apart; the dp replicas furthest.
+    layout = layout_of(args)
+    dp = layout.dp
+    mesh = init_device_mesh(device.type, (dp, layout.pp, layout.tp), mesh_dim_names=("dp", "pp", "tp")) \
         if distributed else None
     dp_rank = mesh.get_local_rank("dp") if mesh else 0
-    log.info("layout: dp %d x pp %d x tp %d; %s schedule, %d micro-batches, %s API", dp, args.pp,
-             args.tp, args.schedule, args.microbatches, args.api)
+    log.info("layout: dp %d x pp %d x tp %d; %s schedule, %d micro-batches, %s API", dp, layout.pp,
+             layout.tp, layout.schedule, layout.microbatches, layout.api)
 
     # ---- data ----------------------------------------------------------------------
     data, sampler, loader, val_loader = load_data(args, device, rank, world_size, dp_rank, dp)
@@ -270,7 +266,7 @@ def main():
     n_params = num_parameters(model)
     log.info("model: %s preset, %.2f M parameters (%s)", args.model_preset, n_params / 1e6,
              describe(config))
-    module, pipeline, loss_fn, step_context = split_model(model, mesh, args, autocast, device)
+    module, pipeline, loss_fn, step_context = split_model(model, mesh, layout, autocast, device)
     del model  # what this rank keeps is in `module`; the rest is freed
     if args.compile:  # only with --tp 1 --pp 1 (check_layout): the one stage is the whole model
         module.compile()
@@ -292,7 +288,7 @@ def main():
                       args=args, dtype=dtype, num_params=n_params,
                       flops_per_token=flops_per_token(config, n_params, args.seq_length),
                       extra={"global_batch_size": global_batch, "grad_accum": args.grad_accum,
-                             "dp": dp, "pp": args.pp, "tp": args.tp, "data": dataset_info(data)},
+                             "dp": dp, "pp": layout.pp, "tp": layout.tp, "data": dataset_info(data)},
                       rank=rank, world_size=world_size, backend=dist.get_backend() if distributed else None)
 
     # ---- the training loop ---------------------------------------------------------
@@ -325,7 +321,7 @@ def main():
             for x, y in step_batches:
                 with tracker.phase("data"):
                     attn_mask = build_attention_mask(x, data.pad_id) if args.padded else None
-                    m = args.microbatches
+                    m = layout.microbatches
                     micro_batches = list(zip(x.chunk(m), y.chunk(m),
                                              [None] * m if attn_mask is None else attn_mask.chunk(m)))
                 # The pipeline runs the forward and backward of each micro-batch, in its

@@ -305,14 +305,28 @@ def in_flight(schedule: str, m: int, pp: int, stage: int) -> int:
 def stage_activation_bytes(config: LlamaConfig, tokens: int, seq: int, p: Precision, tp: int, pp: int, stage: int,
                            tp_rank: int = 0, cpu: bool = False) -> int:
     """One micro-batch of `tokens` on one rank of a stage: what autograd saves in its
-    forward (and the loss, on the last stage) and, on every stage but the last, the
-    output it sent on, which the pipeline keeps until that output's gradient comes back."""
+    forward (and the loss, on the last stage), and the output the pipeline keeps until
+    its backward: the activations it sent on, or, on the last stage, the loss (one fp32)."""
     total = stage_layers(config.num_hidden_layers, pp)[stage] * layer_activation_bytes(config, tokens, seq, p, tp, cpu)
     if stage == 0:
         total += embedding_activation_bytes(tokens, tp)
     if stage == pp - 1:
-        return total + head_activation_bytes(config, tokens, p, tp, tp_rank, cpu)
+        return total + head_activation_bytes(config, tokens, p, tp, tp_rank, cpu) + FP32
     return total + tokens * config.hidden_size * p.stream
+
+
+def stage_kept_bytes(config: LlamaConfig, tokens: int, seq: int, p: Precision, tp: int, pp: int, stage: int,
+                     schedule: str, m: int, tp_rank: int = 0, cpu: bool = False) -> int:
+    """The most bytes one rank of a stage keeps between its operations in a step of m
+    micro-batches of `tokens` each (as a backward starts): the micro-batches in flight
+    (`in_flight`: for 1F1B at most pp - stage, whatever m is), the gradient of its output
+    it has just received (every stage but the last), and the step's running loss (one
+    fp32). Chapter 06's measure.py counts it."""
+    kept = in_flight(schedule, m, pp, stage) * stage_activation_bytes(config, tokens, seq, p, tp, pp, stage,
+                                                                       tp_rank, cpu)
+    if stage < pp - 1:
+        kept += tokens * config.hidden_size * p.stream
+    return kept + FP32
 
 
 def tp_all_reduce_bytes(config: LlamaConfig, tokens: int, p: Precision, tp: int, pp: int, stage: int) -> tuple[int, int]:
