@@ -199,9 +199,10 @@ class RingAttention(torch.autograd.Function):
             if step < cp - 1:
                 wait(requests)
                 kv = incoming
-        ctx.save_for_backward(q, k, v, out, lse)
+        out = out.view(B, H, T, D).to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)  # what one process's flash attention keeps
         ctx.group, ctx.split = group, split
-        return out.view(B, H, T, D).to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -209,10 +210,10 @@ class RingAttention(torch.autograd.Function):
         group, split = ctx.group, ctx.split
         rank, cp = dist.get_rank(group), dist.get_world_size(group)
         B, H, T, D = q.shape
-        work = out.dtype
-        qg = q.view(out.shape).to(work)
-        dout = grad_out.reshape(out.shape).to(work)
-        delta = (dout * out).sum(dim=-1)
+        work = lse.dtype
+        grouped = (B, k.shape[1], H // k.shape[1], T, D)
+        qg, dout = q.view(grouped).to(work), grad_out.reshape(grouped).to(work)
+        delta = (dout * out.view(grouped).to(work)).sum(dim=-1)
         dq = torch.zeros_like(qg)
         kv = torch.stack([k, v])
         dkv = torch.zeros(kv.shape, dtype=work, device=q.device)  # summed in fp32 (bf16 runs) on its way

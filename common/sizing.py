@@ -366,3 +366,57 @@ def checkpoint_seconds(model: Model, mode: str, nodes: int, world: int, disk_gbp
         return write, write + broadcast
     seconds = size / (nodes * disk_gbps * 1e9)
     return seconds, seconds
+
+
+# ------------------------------------- chapter 08: the sequence split over cp ranks
+
+def cp_layer_activation_bytes(config: LlamaConfig, tokens: int, seq: int, p: Precision, cp: int,
+                              variant: str = "ring", tp: int = 1, cpu: bool = False) -> int:
+    """One decoder layer on one of `cp` context-parallel ranks, `tokens` = batch x seq /
+    cp of its own. Ring attention keeps what one process's attention keeps for the same
+    tokens (q, k, v, the output, the log-sum-exp: `layer_activation_bytes`, with the
+    shard's rotary tables). All-to-all also keeps the output as o_proj reads it (it
+    comes back from the trade in another layout: h / tp per token in the compute dtype)
+    and the two orders of the whole sequence's positions it reorders by (int64 each)."""
+    total = layer_activation_bytes(config, tokens, seq // cp, p, tp, cpu)
+    if variant == "all-to-all":
+        total += tokens * config.hidden_size // tp * p.act + 2 * TOKEN_ID * seq
+    return total
+
+
+def cp_activation_bytes(config: LlamaConfig, batch: int, seq: int, p: Precision, cp: int, variant: str = "ring",
+                        tp: int = 1, checkpointing: bool = False, cpu: bool = False) -> int:
+    """What one of `cp` ranks saves for backward in a forward of `batch` sequences of
+    `seq` tokens (and the loss), the whole model on every rank: a cp-th of the tokens
+    each (with activation checkpointing, each layer's input kept and one layer's
+    activations at a time, as `activation_bytes`)."""
+    tokens, layers = batch * seq // cp, config.num_hidden_layers
+    layer = cp_layer_activation_bytes(config, tokens, seq, p, cp, variant, tp, cpu)
+    kept = layers * tokens * config.hidden_size * p.stream + layer if checkpointing else layers * layer
+    return kept + embedding_activation_bytes(tokens, tp) + head_activation_bytes(config, tokens, p, tp, cpu=cpu)
+
+
+def cp_traffic_bytes(config: LlamaConfig, tokens: int, p: Precision, cp: int, variant: str, tp: int = 1) -> dict:
+    """Per step of `tokens` on one rank (its share of the sequence: batch x seq / cp),
+    the bytes its attention communicates, forward and backward, every layer.
+
+    ring: {"sent": bytes sent}. Each hop carries a block's keys and values (2 kv / tp
+    per token, in the compute dtype): cp - 1 hops in forward, cp - 1 again in backward,
+    and beside them the block's key/value gradients, cp hops (the last one home), summed
+    in fp32 at least on their way.
+    all-to-all: {"all_to_all": bytes of the arrays traded}; a rank keeps a cp-th of
+    each and sends the rest. Forward trades q, k and v away and the output back
+    ((2 h + 2 kv) / tp per token), backward their gradients."""
+    if cp == 1:
+        return {}
+    h, kv = config.hidden_size // tp, config.num_key_value_heads * config.head_dim // tp
+    if variant == "ring":
+        layer = tokens * 2 * kv * (2 * (cp - 1) * p.act + cp * max(p.act, FP32))
+        return {"sent": config.num_hidden_layers * layer}
+    return {"all_to_all": config.num_hidden_layers * 2 * tokens * (2 * h + 2 * kv) * p.act}
+
+
+def cp_sent_bytes(config: LlamaConfig, tokens: int, p: Precision, cp: int, variant: str, tp: int = 1) -> float:
+    """`cp_traffic_bytes` as the bytes one rank sends: an all-to-all keeps a cp-th of its array."""
+    traffic = cp_traffic_bytes(config, tokens, p, cp, variant, tp)
+    return traffic.get("sent", 0) + traffic.get("all_to_all", 0) * (cp - 1) / cp
