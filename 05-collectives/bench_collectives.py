@@ -30,17 +30,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-# Runnable from the repo root or from inside this folder, installed or not.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.cli import comma_list, non_negative_int, one_of, positive_int  # noqa: E402
-from common.demos import script_parser, start_demo  # noqa: E402
-from common.distributed import first_error, gc_and_destroy_process_group  # noqa: E402
-from common.environment import device_name, environment_info  # noqa: E402
-from common.errors import UsageError, run_main  # noqa: E402
-from common.files import write_json  # noqa: E402
-from common.runfolder import claim_run_folder  # noqa: E402
-from common.tables import markdown_table  # noqa: E402
-from proof import max_over_ranks  # noqa: E402
+from common.cli import comma_list, non_negative_int, one_of, positive_int
+from common.demos import script_parser, start_demo
+from common.distributed import first_error, gc_and_destroy_process_group
+from common.environment import device_name, environment_info
+from common.errors import UsageError, run_main
+from common.files import write_json
+from common.runfolder import claim_run_folder
+from common.tables import markdown_table
+
+from proof import max_over_ranks
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,

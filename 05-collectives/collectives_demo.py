@@ -16,17 +16,14 @@ after the group's timeout instead of waiting forever.
 import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-# Runnable from the repo root or from inside this folder, installed or not.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.cli import one_of  # noqa: E402
-from common.demos import script_parser, start_demo  # noqa: E402
-from common.distributed import gc_and_destroy_process_group  # noqa: E402
-from common.errors import run_main  # noqa: E402
+from common.cli import one_of
+from common.demos import script_parser, start_demo
+from common.distributed import gc_and_destroy_process_group
+from common.errors import run_main
 
 OPS = ("all_reduce", "reduce", "broadcast", "all_gather", "gather", "scatter",
        "reduce_scatter", "all_to_all", "barrier")

@@ -28,21 +28,20 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import record_function
 from tqdm import tqdm
 
-# Runnable from the repo root or from inside this folder, installed or not.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.cli import comma_list, non_negative_int, positive_float, positive_int  # noqa: E402
-from common.data import IGNORE_INDEX, show_progress  # noqa: E402
-from common.demos import fixed_batches, script_parser, start_demo  # noqa: E402
-from common.distributed import DDP_NO_BUFFER_SYNC, gc_and_destroy_process_group  # noqa: E402
-from common.environment import device_name, environment_info  # noqa: E402
-from common.errors import MODEL_OOM_ADVICE, run_main  # noqa: E402
-from common.files import write_json  # noqa: E402
-from common.model import LlamaForCausalLM, get_config, num_parameters  # noqa: E402
-from common.runfolder import claim_run_folder  # noqa: E402
-from common.tables import markdown_table  # noqa: E402
-from common.training import build_optimizer  # noqa: E402
-from proof import (adam_step_bound, exact_kernels, max_abs_difference,  # noqa: E402
-                   max_difference_to_rank0, max_over_ranks)
+from common.cli import comma_list, non_negative_int, positive_float, positive_int
+from common.data import IGNORE_INDEX, show_progress
+from common.demos import fixed_batches, script_parser, start_demo
+from common.distributed import DDP_NO_BUFFER_SYNC, gc_and_destroy_process_group
+from common.environment import device_name, environment_info
+from common.errors import MODEL_OOM_ADVICE, run_main
+from common.files import write_json
+from common.model import LlamaForCausalLM, get_config, num_parameters
+from common.runfolder import claim_run_folder
+from common.tables import markdown_table
+from common.training import build_optimizer
+
+from proof import (NotFinite, adam_step_bound, exact_kernels, first_not_finite, gradient_bound,
+                   max_abs_difference, max_difference_to_rank0, max_over_ranks, stop_if_any)
 
 MODES = ("naive", "bucketed", "overlap", "ddp")
 
@@ -221,25 +220,35 @@ class Replica:
         return time.perf_counter()
 
     def step(self, x, y):
-        # The record_function ranges name the phases in a profiler's trace (overlap_timeline.py)
+        """One training step, timed: its gradients, then the update."""
         t0 = self.clock()
+        self.forward_backward(x, y)  # ddp and overlap: the all-reduces start in here, from hooks
+        t1 = self.clock()
+        self.average_gradients()
+        t2 = self.clock()
+        self.update()
+        t3 = self.clock()
+        for key, seconds in (("compute", t1 - t0), ("sync", t2 - t1), ("step", t3 - t0)):
+            self.times[key].append(seconds)
+
+    # The record_function ranges name the phases in a profiler's trace (overlap_timeline.py).
+    def forward_backward(self, x, y):
         with record_function("forward"), self.autocast:  # bf16 autocast in the timed GPU steps
             logits = self.forward_model(x)
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), ignore_index=IGNORE_INDEX)
         with record_function("backward"):
-            loss.backward()  # ddp and overlap: the all-reduces start in here, from hooks
-        t1 = self.clock()
+            loss.backward()
+        self.losses.append(loss.detach().float())
+
+    def average_gradients(self):
         if self.sync is not None:
             with record_function("sync"):
                 self.sync.after_backward()  # all gradients averaged when this returns
-        t2 = self.clock()
+
+    def update(self):
         with record_function("optimizer"):
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        t3 = self.clock()
-        for key, seconds in (("compute", t1 - t0), ("sync", t2 - t1), ("step", t3 - t0)):
-            self.times[key].append(seconds)
-        self.losses.append(loss.detach().float())
 
 
 def steps(batches, what, group):
@@ -268,27 +277,45 @@ def run_modes(args, config, batches, group, what, dtype=torch.float32, autocast=
 # ------------------------------------------------------------- prove, time, report
 
 def prove(args, config, batches, group):
-    """--proof-steps float64 steps of every mode, one step at a time. After each step,
-    each mode's parameters against DDP's, element by element, within the bound that
-    summation order allows in one step, and each mode's replicas against rank 0's; then
-    every mode takes DDP's parameters and AdamW moments, so that the next step starts
-    from the same state again and rounding cannot grow from step to step (a run at a
-    large lr can amplify it chaotically). Returns (per-mode figures, failures, the
-    largest one-step bound); without a ddp mode, nothing to compare with."""
+    """--proof-steps float64 steps of every mode, one step at a time. After each step's
+    backward, no loss or gradient may hold a NaN or an infinity (the first one stops the
+    proof at once: NotFinite, naming it), and each mode's averaged gradients must equal DDP's
+    within the bound that summation order allows (0 on 2 ranks); after its update, the
+    same for the parameters (within AdamW's bound), and each mode's replicas must equal
+    rank 0's. Then every mode takes DDP's parameters and AdamW moments, so that the next
+    step starts from the same state again and rounding cannot grow from step to step (a
+    run at a large lr can amplify it chaotically). Returns (per-mode figures, failures,
+    the largest one-step bound); without a ddp mode, nothing to compare with."""
     replicas = make_replicas(args, config, group, torch.float64)
-    proof = {mode: {"max_abs_diff_vs_ddp": None, "replicas_differ_before_broadcast": r.differ_before,
-                    "replicas_differ_after_training": 0.0} for mode, r in replicas.items()}
+    proof = {mode: {"max_abs_diff_vs_ddp": None, "max_abs_grad_diff_vs_ddp": None,
+                    "replicas_differ_before_broadcast": r.differ_before, "replicas_differ_after_training": 0.0}
+             for mode, r in replicas.items()}
     reference, failures, bounds = replicas.get("ddp"), [], [0.0]
     if reference is not None:
         for p in proof.values():
-            p["max_abs_diff_vs_ddp"] = 0.0
+            p["max_abs_diff_vs_ddp"] = p["max_abs_grad_diff_vs_ddp"] = 0.0
         largest_grad = largest_gradient_element(reference.model)
     what = f"proof: {args.proof_steps} float64 steps of each mode" + (", each from DDP's state" if reference else "")
     for step, (x, y) in enumerate(steps(batches[:args.proof_steps], what, group), start=1):
         if reference is not None:
             largest_grad.zero_()
         for r in replicas.values():
-            r.step(x, y)
+            r.forward_backward(x, y)
+            r.average_gradients()
+        stop_if_not_finite(replicas, step, lambda r: [("the loss", r.losses[-1]), *(
+            (f"the gradient of {n}", p.grad) for n, p in r.model.named_parameters())])
+        if reference is not None:
+            g_bound = gradient_bound(group.world, torch.float64, max_over_ranks(largest_grad.item(), group.device))
+            for mode, r in replicas.items():
+                diff = max_over_ranks(max_abs_difference([p.grad for p in r.model.parameters()],
+                                                         [p.grad for p in reference.model.parameters()]), group.device)
+                proof[mode]["max_abs_grad_diff_vs_ddp"] = max(proof[mode]["max_abs_grad_diff_vs_ddp"], diff)
+                if not diff <= g_bound:
+                    failures.append(f"{mode}: step {step}: an averaged gradient differs from DDP's by {diff:.3g} > "
+                                    f"{g_bound:.3g}, the most that summation order allows")
+        for r in replicas.values():
+            r.update()
+        stop_if_not_finite(replicas, step, lambda r: [(f"the parameter {n}", p) for n, p in r.model.named_parameters()])
         for mode, r in replicas.items():
             differ = max_difference_to_rank0(list(r.model.parameters()))
             proof[mode]["replicas_differ_after_training"] = max(proof[mode]["replicas_differ_after_training"], differ)
@@ -304,12 +331,21 @@ def prove(args, config, batches, group):
             diff = max_over_ranks(max_abs_difference(list(r.model.parameters()),
                                                      list(reference.model.parameters())), group.device)
             proof[mode]["max_abs_diff_vs_ddp"] = max(proof[mode]["max_abs_diff_vs_ddp"], diff)
-            if diff > bound:
+            if not diff <= bound:
                 failures.append(f"{mode}: after step {step} a parameter differs from DDP's by {diff:.3g} > "
                                 f"{bound:.3g}, the most that summation order allows in one step")
             if r is not reference:  # DDP's state becomes every mode's, for the next step
                 take_state(r, reference)
     return proof, failures, max(bounds)
+
+
+def stop_if_not_finite(replicas, step: int, named) -> None:
+    """Raise NotFinite, on every rank, naming the first tensor of `named(replica)` that
+    holds a NaN or an infinity, in the first mode and on the first rank that has one (a
+    collective)."""
+    line = next((f"{mode}: step {step}: {bad}" for mode, r in replicas.items()
+                 for bad in [first_not_finite(named(r))] if bad), None)
+    stop_if_any(line)
 
 
 @torch.no_grad()
@@ -403,8 +439,14 @@ def main():
               flush=True)
 
     # ---- 1. prove: the same parameters as DDP, on every rank ------------------------
-    with exact_kernels():  # deterministic kernels, no TF32: the modes may differ only in the sums
-        proof, failures, bound = prove(args, config, batches, group)  # bound 0 on 2 ranks: a + b == b + a
+    try:
+        with exact_kernels():  # deterministic kernels, no TF32: the modes may differ only in the sums
+            proof, failures, bound = prove(args, config, batches, group)  # bound 0 on 2 ranks: a + b == b + a
+    except NotFinite as stop:  # a NaN or an infinity: nothing after it means anything
+        if rank == 0:
+            print(f"FAILED: {stop}", file=sys.stderr, flush=True)
+        gc_and_destroy_process_group()
+        return 1
 
     # ---- 2. time: the training dtype, steps interleaved -----------------------------
     results = time_modes(args, config, batches, group)

@@ -29,23 +29,19 @@ import torch.distributed as dist
 from torch.profiler import profile, record_function
 from tqdm import tqdm
 
-# Runnable from the repo root or from inside this folder, installed or not; the modes
-# come from the scripts beside this one.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common.cli import comma_list, non_negative_int, positive_float  # noqa: E402
-from common.data import show_progress  # noqa: E402
-from common.demos import fixed_batches, script_parser, start_demo  # noqa: E402
-from common.distributed import gc_and_destroy_process_group  # noqa: E402
-from common.demos import profiler_activities  # noqa: E402
-from common.environment import device_name, environment_info  # noqa: E402
-from common.errors import MODEL_OOM_ADVICE, run_main  # noqa: E402
-from common.files import write_json  # noqa: E402
-from common.model import get_config  # noqa: E402
-from common.runfolder import claim_run_folder  # noqa: E402
-import timeline  # noqa: E402
-from ddp_from_scratch import Replica  # noqa: E402
-from sharded_from_scratch import TRAINERS  # noqa: E402
+from common.cli import comma_list, non_negative_int, positive_float
+from common.data import show_progress
+from common.demos import fixed_batches, profiler_activities, script_parser, start_demo
+from common.distributed import gc_and_destroy_process_group
+from common.environment import device_name, environment_info
+from common.errors import MODEL_OOM_ADVICE, run_main
+from common.files import write_json
+from common.model import get_config
+from common.runfolder import claim_run_folder
+
+import timeline  # the modes come from the scripts beside this one
+from ddp_from_scratch import Replica
+from sharded_from_scratch import TRAINERS
 
 MODES = ("naive", "bucketed", "overlap", "ddp", "zero1", "zero3", "fsdp2", "ch03-ddp")
 

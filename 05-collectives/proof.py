@@ -4,7 +4,10 @@ rebuilt from collectives, against DDP), and the rounding bound they are held to.
 - `max_over_ranks`: the largest of every rank's number (a collective).
 - `max_relative_difference`, `max_abs_difference`: two sets of tensors on one rank.
 - `max_difference_to_rank0`: are the ranks' copies identical? (a collective)
-- `adam_step_bound`: how far summation order alone can move AdamW's weights in one step.
+- `first_not_finite`, `stop_if_any`, `NotFinite`: the first tensor that holds a NaN or an
+  infinity, by name; the proof stops there, on every rank.
+- `gradient_bound`, `adam_step_bound`: how far summation order alone can move the
+  averaged gradients, and AdamW's weights, in one step.
 - `exact_kernels` (from common/demos.py): deterministic kernels and no TF32 while a proof runs.
 - `full_tensor`, `full_state`: fully_shard's DTensors gathered whole, also over gloo
   with CUDA tensors, where torch's own gather crashes.
@@ -45,8 +48,36 @@ def max_relative_difference(params, reference) -> float:
 
 @torch.no_grad()
 def max_abs_difference(params, reference) -> float:
-    """max over all elements of |a - b| on this rank: 0.0 when equal."""
-    return max(((a - b).abs().max().item() for a, b in zip(params, reference) if a.numel()), default=0.0)
+    """max over all elements of |a - b| on this rank: 0.0 when equal, NaN where either
+    holds a NaN (Python's max(0.0, nan) would say 0.0)."""
+    diffs = [(a - b).abs().max() for a, b in zip(params, reference) if a.numel()]
+    return torch.stack(diffs).max().item() if diffs else 0.0
+
+
+@torch.no_grad()
+def first_not_finite(named) -> str | None:
+    """'<name> is not finite (<value>)' for the first of the (name, tensor) pairs that
+    holds a NaN or an infinity; None when every one is finite."""
+    for name, t in named:
+        bad = ~torch.isfinite(t)
+        if bad.any():
+            return f"{name} is not finite ({t[bad].flatten()[0].item()})"
+    return None
+
+
+class NotFinite(Exception):
+    """A loss, gradient or weight that holds a NaN or an infinity: the proof stops at once
+    with this one line, on every rank."""
+
+
+def stop_if_any(line: str | None) -> None:
+    """Raise NotFinite with the first rank's line, if any rank has one (a collective:
+    every rank calls it, and every rank raises)."""
+    lines = [None] * dist.get_world_size()
+    dist.all_gather_object(lines, line)
+    said = next((s for s in lines if s is not None), None)
+    if said is not None:
+        raise NotFinite(said)
 
 
 @torch.no_grad()
@@ -68,6 +99,17 @@ def adam_ratio_bound(betas: tuple[float, float], step: int) -> float:
     return (1 - b1) * math.sqrt((1 - b2 ** step) * series) / ((1 - b1 ** step) * math.sqrt(1 - b2))
 
 
+def gradient_bound(world: int, dtype: torch.dtype, max_grad: float) -> float:
+    """The largest |g - g_ddp| per element of the averaged gradient that summation order
+    alone can cause: each rank's gradient, divided by N (the same numbers in every
+    mode), summed over the N ranks in another order. With N <= 2 the sum is the same
+    (a + b = b + a), so the bound is 0. Otherwise a sum of N terms is off by at most
+    (N - 1) u sum|terms| (u: the dtype's unit of rounding), and sum|terms| <= N G / N = G,
+    G the largest gradient element any rank made: two modes differ by at most
+    2 (N - 1) u G, below the 2 N u G returned (`adam_step_bound`'s delta)."""
+    return 0.0 if world <= 2 else 2 * world * (torch.finfo(dtype).eps / 2) * max_grad
+
+
 def adam_step_bound(world: int, dtype: torch.dtype, lr: float, step: int, max_grad: float,
                     betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8) -> float:
     """The largest |w - w_ddp| per weight element that summation order alone can cause in
@@ -76,9 +118,8 @@ def adam_step_bound(world: int, dtype: torch.dtype, lr: float, step: int, max_gr
 
     - each rank's gradient, divided by N, is summed over N ranks in an order that differs
       between the modes; with N <= 2 the sum is the same (a + b = b + a, halving is
-      exact), so the bound is 0. Otherwise each sum is off by at most (N-1) u |terms|
-      (u: the dtype's unit of rounding), plus one rounding of the division: two modes
-      differ by at most delta = 2 N u G, G the largest gradient element any rank made;
+      exact), so the bound is 0. Otherwise two modes' averaged gradients differ by at
+      most delta = 2 N u G (`gradient_bound`), G the largest gradient element any rank made;
     - AdamW's update lr * m_hat / (sqrt(v_hat) + eps) moves by at most
       lr * (1 + A_t) * delta / eps for such a change (eps bounds the amplification near
       zero gradients; A_t = adam_ratio_bound), and never by more than 2 lr A_t.
@@ -88,7 +129,7 @@ def adam_step_bound(world: int, dtype: torch.dtype, lr: float, step: int, max_gr
     so a proof compares every step from the same state."""
     if world <= 2:
         return 0.0
-    delta = 2 * world * (torch.finfo(dtype).eps / 2) * max_grad
+    delta = gradient_bound(world, dtype, max_grad)
     ratio = adam_ratio_bound(betas, step)
     return lr * min((1 + ratio) * delta / eps, 2 * ratio)
 

@@ -51,20 +51,19 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 
-# Runnable from the repo root or from inside this folder, installed or not.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.cli import positive_int  # noqa: E402
-from common.data import IGNORE_INDEX  # noqa: E402
-from common.demos import fixed_batches, script_parser, start_demo  # noqa: E402
-from common.distributed import first_error, gc_and_destroy_process_group, on_rank0  # noqa: E402
-from common.files import (atomic_write, fsync_dir, fsync_write, is_disk_full, one_line, sha256_of,  # noqa: E402
+from common.cli import positive_int
+from common.data import IGNORE_INDEX
+from common.demos import fixed_batches, script_parser, start_demo
+from common.distributed import first_error, gc_and_destroy_process_group, on_rank0
+from common.files import (atomic_write, fsync_dir, fsync_write, is_disk_full, one_line, sha256_of,
                           verify_manifest, write_manifest)
-from common.errors import MODEL_OOM_ADVICE, UsageError, fail, run_main  # noqa: E402
-from common.model import LlamaForCausalLM, get_config  # noqa: E402
-from common.runfolder import claim_run_folder  # noqa: E402
-from common.tables import markdown_table  # noqa: E402
-from common.training import build_optimizer  # noqa: E402
-from proof import exact_kernels, full_state  # noqa: E402
+from common.errors import MODEL_OOM_ADVICE, UsageError, fail, run_main
+from common.model import LlamaForCausalLM, get_config
+from common.runfolder import claim_run_folder
+from common.tables import markdown_table
+from common.training import build_optimizer
+
+from proof import exact_kernels, full_state
 
 
 def parse_args(argv=None):

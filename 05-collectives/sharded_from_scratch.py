@@ -31,17 +31,16 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import record_function
 from tqdm import tqdm
 
-# Runnable from the repo root or from inside this folder, installed or not.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.cli import comma_list, non_negative_int, positive_int  # noqa: E402
-from common.data import IGNORE_INDEX, show_progress  # noqa: E402
-from common.demos import fixed_batches, script_parser, start_demo  # noqa: E402
-from common.distributed import DDP_NO_BUFFER_SYNC, gc_and_destroy_process_group  # noqa: E402
-from common.errors import MODEL_OOM_ADVICE, UsageError, run_main  # noqa: E402
-from common.model import LlamaForCausalLM, get_config, num_parameters  # noqa: E402
-from common.runfolder import claim_run_folder  # noqa: E402
-import proof  # noqa: E402
-import sharding  # noqa: E402
+from common.cli import comma_list, non_negative_int, positive_int
+from common.data import IGNORE_INDEX, show_progress
+from common.demos import fixed_batches, script_parser, start_demo
+from common.distributed import DDP_NO_BUFFER_SYNC, gc_and_destroy_process_group
+from common.errors import MODEL_OOM_ADVICE, UsageError, run_main
+from common.model import LlamaForCausalLM, get_config, num_parameters
+from common.runfolder import claim_run_folder
+
+import proof
+import sharding
 
 MODES = ("ddp", "zero1", "zero3", "fsdp2")
 BETAS, EPS = (0.9, 0.95), 1e-8  # the chapters' AdamW; the proof's bound depends on them
@@ -129,7 +128,8 @@ class FlatShard:
 
 class Trainer:
     """One mode's model and optimizer; `step` records time and loss. This base is DDP;
-    the other modes override `setup` and the three hooks around the step."""
+    the other modes override `setup`, the three hooks around the step, and what the
+    proof reads: `averaged_gradients` and `cut_like_mine`."""
 
     def __init__(self, mode, args, config, demo, dtype=torch.float32, autocast=None):
         self.mode, self.args, self.demo = mode, args, demo
@@ -165,8 +165,14 @@ class Trainer:
         pass
 
     def step(self, x, y):
-        # The record_function ranges name the phases in a profiler's trace (overlap_timeline.py)
         t0 = sharding.clock(self.demo.device)
+        self.gradients(x, y)
+        self.update()
+        self.times.append(sharding.clock(self.demo.device) - t0)
+
+    # The record_function ranges name the phases in a profiler's trace (overlap_timeline.py).
+    def gradients(self, x, y):
+        """Forward, backward, and the gradients averaged over the ranks (or their slices)."""
         self.before_forward()
         with record_function("forward"), self.autocast:
             logits = self.forward_model(x)
@@ -175,12 +181,23 @@ class Trainer:
             loss.backward()
         with record_function("sync"):
             self.after_backward()
+        self.losses.append(loss.detach())
+
+    def update(self):
         with record_function("optimizer"):
             self.optimizer.step()
         with record_function("sync"):
             self.after_update()
-        self.times.append(sharding.clock(self.demo.device) - t0)
-        self.losses.append(loss.detach())
+
+    def averaged_gradients(self) -> list:
+        """Proof only: (name, tensor) of the averaged gradients this rank holds after
+        `gradients`, before the update."""
+        return [(f"the gradient of {n}", p.grad) for n, p in self.model.named_parameters()]
+
+    def cut_like_mine(self, tensors) -> list:
+        """Proof only: DDP's tensors (one per parameter, in model order) cut as this mode
+        holds its averaged gradients."""
+        return list(tensors)
 
     def state_tensors(self):
         """(parameters, gradients) this rank holds between steps."""
@@ -222,6 +239,13 @@ class ZeRO1(Trainer):
 
     def take_state(self, ddp_state):
         self.flat.take(self.optimizer, ddp_state, self.index())
+
+    def averaged_gradients(self):
+        return [("its gradient shard", self.flat.grad_shard)]
+
+    def cut_like_mine(self, tensors):
+        index = self.index()
+        return [self.flat.slice_of([tensors[index[p]] for p in self.flat.params])[0]]
 
 
 class ShardedUnit(FlatShard):
@@ -271,6 +295,7 @@ class ZeRO3(Trainer):
         m = self.model
         self.units = [ShardedUnit(module, self.comm, self.demo.rank, self.demo.world)
                       for module in (m.embed_tokens, *m.layers, m.norm, m.lm_head)]  # every parameter once
+        self.unit_names = ["embed_tokens", *(f"layers.{i}" for i in range(len(m.layers))), "norm", "lm_head"]
         self.optimizer = adamw(self.args.lr, decay=[t for u in self.units for t in u.decay],
                                no_decay=[t for u in self.units for t in u.no_decay])
 
@@ -281,6 +306,13 @@ class ZeRO3(Trainer):
         index = self.index()
         for u in self.units:
             u.take(self.optimizer, ddp_state, index)
+
+    def averaged_gradients(self):
+        return [(f"the gradient shard of {name}", u.grad_shard) for name, u in zip(self.unit_names, self.units)]
+
+    def cut_like_mine(self, tensors):
+        index = self.index()
+        return [u.slice_of([tensors[index[p]] for p in u.params])[0] for u in self.units]
 
     def full_parameters(self):
         for u in self.units:
@@ -306,6 +338,13 @@ class FSDP2(Trainer):
 
     def full_parameters(self):
         return [proof.full_tensor(p).detach() for p in self.model.parameters()]
+
+    def averaged_gradients(self):
+        return [(f"the gradient of {n}", p.grad.to_local()) for n, p in self.model.named_parameters()]
+
+    def cut_like_mine(self, tensors):
+        return [distribute_tensor(t, p.device_mesh, p.placements, src_data_rank=None).to_local()
+                for p, t in zip(self.model.parameters(), tensors)]
 
     def take_state(self, ddp_state):
         # each DTensor keeps its shard of DDP's tensor (the same on every rank: no collective)
@@ -377,8 +416,13 @@ def run(args, demo):
     # ---- 1. prove, in fp64: every mode's weights against DDP's, step by step -------
     diffs, failures = {}, []
     if "ddp" in args.modes:
-        with proof.exact_kernels():
-            diffs, failures, summary["proof_bound"] = prove(args, config, demo, batches[:args.proof_steps])
+        try:
+            with proof.exact_kernels():
+                diffs, failures, summary["proof_bound"] = prove(args, config, demo, batches[:args.proof_steps])
+        except proof.NotFinite as stop:  # a NaN or an infinity: nothing after it means anything
+            if demo.rank == 0:
+                print(f"FAILED: {stop}", file=sys.stderr, flush=True)
+            return 1
 
     # ---- 2. time, in the training dtype ----------------------------------------------
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else None
@@ -396,25 +440,41 @@ def run(args, demo):
 
 
 def prove(args, config, demo, batches):
-    """Every mode in fp64 on the same batches, one step at a time. After each step, each
-    mode's weights (gathered whole) are compared with DDP's, element by element, within
-    the bound that summation order allows in one step (the ranks' copies must be equal);
-    then every mode takes DDP's weights and moments, so that the next step starts from
-    the same state again and a difference cannot grow from step to step. Returns
-    (per-mode figures: the largest difference over the steps; failures; the largest
-    one-step bound)."""
+    """Every mode in fp64 on the same batches, one step at a time. After each step's
+    backward, no loss or gradient may hold a NaN or an infinity (the first one stops the
+    proof at once: proof.NotFinite, naming it), and each mode's averaged gradients (its
+    slices of them) must equal DDP's within the bound that summation order allows; after
+    the update, the same for the weights (gathered whole, within AdamW's bound), and the
+    ranks' copies must be equal. Then every mode takes DDP's weights and moments, so that
+    the next step starts from the same state again and a difference cannot grow from step
+    to step. Returns (per-mode figures: the largest differences over the steps; failures;
+    the largest one-step bound)."""
     trainers = {mode: TRAINERS[mode](mode, args, config, demo, torch.float64) for mode in args.modes}
     ddp = trainers["ddp"]
-    diffs = {mode: {"ranks_differ": 0.0, "max_abs_diff_vs_ddp": 0.0, "max_rel_diff_vs_ddp": 0.0}
-             for mode in trainers}
+    diffs = {mode: {"ranks_differ": 0.0, "max_abs_grad_diff_vs_ddp": 0.0, "max_abs_diff_vs_ddp": 0.0,
+                    "max_rel_diff_vs_ddp": 0.0} for mode in trainers}
     failures, bounds = [], []
     for step, (x, y) in enumerate(steps(batches, f"proof: {len(batches)} fp64 steps of each mode, "
                                         f"each from DDP's state", demo), start=1):
         ddp.largest_grad.zero_()
         for t in trainers.values():
-            t.step(x, y)
-        finals = {mode: t.full_parameters() for mode, t in trainers.items()}
+            t.gradients(x, y)
+        stop_if_not_finite(trainers, step, lambda t: [("the loss", t.losses[-1]), *t.averaged_gradients()])
         largest_grad = proof.max_over_ranks(ddp.largest_grad.item(), demo.device)
+        grad_bound = proof.gradient_bound(demo.world, torch.float64, largest_grad)
+        ddp_grads = [p.grad for p in ddp.model.parameters()]
+        for mode, t in trainers.items():
+            diff = proof.max_over_ranks(proof.max_abs_difference([g for _, g in t.averaged_gradients()],
+                                                                 t.cut_like_mine(ddp_grads)), demo.device)
+            diffs[mode]["max_abs_grad_diff_vs_ddp"] = max(diffs[mode]["max_abs_grad_diff_vs_ddp"], diff)
+            if not diff <= grad_bound:
+                failures.append(f"{mode}: step {step}: an averaged gradient differs from DDP's by {diff:.3g} > "
+                                f"{grad_bound:.3g}, the most that summation order allows")
+        for t in trainers.values():
+            t.update()
+        finals = {mode: t.full_parameters() for mode, t in trainers.items()}
+        names = [n for n, _ in ddp.model.named_parameters()]
+        stop_if_not_finite(trainers, step, lambda t: [(f"the weight {n}", w) for n, w in zip(names, finals[t.mode])])
         bound = proof.adam_step_bound(demo.world, torch.float64, args.lr, step, largest_grad, BETAS, EPS)
         bounds.append(bound)
         for mode, final in finals.items():
@@ -426,13 +486,22 @@ def prove(args, config, demo, batches):
                 proof.max_relative_difference(final, finals["ddp"]), demo.device))
             if ranks_differ != 0.0:
                 failures.append(f"{mode}: ranks hold different weights after step {step} (by {ranks_differ:.3g})")
-            if vs_ddp > bound:
+            if not vs_ddp <= bound:
                 failures.append(f"{mode}: after step {step} a weight differs from DDP's by {vs_ddp:.3g} > "
                                 f"{bound:.3g}, the most that summation order allows in one step")
         state = ddp_state(ddp)
         for t in trainers.values():
             t.take_state(state)
     return diffs, failures, max(bounds)
+
+
+def stop_if_not_finite(trainers, step: int, named) -> None:
+    """Raise proof.NotFinite, on every rank, naming the first tensor of `named(trainer)`
+    that holds a NaN or an infinity, in the first mode and on the first rank that has
+    one (a collective)."""
+    line = next((f"{mode}: step {step}: {bad}" for mode, t in trainers.items()
+                 for bad in [proof.first_not_finite(named(t))] if bad), None)
+    proof.stop_if_any(line)
 
 
 if __name__ == "__main__":

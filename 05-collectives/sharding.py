@@ -30,6 +30,7 @@ from common.environment import device_name, environment_info
 from common.files import write_json
 from common.sizing import RING_FACTOR  # what a ring algorithm sends per byte of the array
 from common.tables import markdown_table
+
 from proof import max_over_ranks
 
 
