@@ -14,6 +14,7 @@ from contextlib import contextmanager, suppress
 
 import torch
 from torch.distributed import DistError
+from torch.utils.data import get_worker_info
 from tqdm import tqdm
 
 
@@ -63,6 +64,10 @@ PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pi
              "connection refused", "failed to recv, got 0 bytes")
 # gloo's plain RuntimeError, without its name, for an operation waiting on one that timed out
 GLOO_UNNAMED = ("application timeout caused pair closure",)
+# A Ctrl-C reaches the ranks one after another (torchrun passes it on to each in turn): the
+# first to stop closes its connections, and the others may see that before their own
+# signal. A rank that finds its peer gone waits this long for a Ctrl-C of its own.
+CTRL_C_GRACE_S = 1.0
 
 
 @contextmanager
@@ -79,6 +84,7 @@ def explain_peer_failures(resumes: bool = False):
         if any(k in text for k in TIMED_OUT):
             what = "a peer stopped answering: a collective timed out (--timeout)"
         elif any(k in text for k in PEER_GONE):
+            time.sleep(CTRL_C_GRACE_S)  # a SIGINT now ends the sleep as a KeyboardInterrupt
             what = "a peer closed its connection: another rank failed first (its error is in its own log)"
         else:
             raise
@@ -126,24 +132,90 @@ INTERRUPTED_RESUMABLE = ("stopped where it was; the checkpoints saved so far sta
                          "command resumes from the last one")
 
 
-def worker_death_cause(message: str) -> str:
-    """A stop signal sent to the worker itself (SIGTERM, SIGINT, SIGHUP: a scheduler ending
-    the job signals every process) is named; else the out-of-memory killer's SIGKILL."""
-    stops = {signal.strsignal(s): s.name for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
-    name = stops.get(message.rsplit("killed by signal: ", 1)[-1].rstrip(". "))
-    if name:
-        return f"{name}, a stop signal, reached the worker itself (a job scheduler or `kill`): not a lack of memory"
-    return ("the kernel's out-of-memory killer is the usual cause (`dmesg` says); free memory, "
-            "or pass --num-workers 0")
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def dead_child_signal(wait_s: float = 1.0) -> int | None:
+    """The signal that ended a child process (a DataLoader worker) no one has reaped yet,
+    waiting up to `wait_s` for one to end; None when none died of a signal. The child
+    stays unreaped (WNOWAIT), for torch's own checks."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:  # no child left
+            return None
+        if info is not None:
+            return info.si_status if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED) else None
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.05)
+
+
+def worker_death_signal(e: BaseException) -> int | None:
+    """The signal that ended the DataLoader worker of error `e`: torch names it when its
+    SIGCHLD handler saw the death first; else the dead worker may still be there to ask."""
+    for text in (str(e), str(e.__cause__)):  # "exited unexpectedly" may hold it in its cause
+        named = text.split("killed by signal: ", 1)[1:]
+        if named:
+            by_name = {signal.strsignal(s): s for s in signal.valid_signals() if signal.strsignal(s)}
+            return by_name.get(named[0].splitlines()[0].rstrip(". "))
+    return dead_child_signal() if hasattr(os, "waitid") else None
+
+
+def worker_death_cause(signum: int | None) -> str:
+    """What a worker's death by `signum` means: a stop signal sent to the worker itself
+    (SIGTERM, SIGHUP: a scheduler ending the job signals every process); SIGKILL, the
+    out-of-memory killer's usual way; unknown (the worker was reaped first): either."""
+    if signum in STOP_SIGNALS:
+        return (f"{signal.Signals(signum).name}, a stop signal, reached the worker itself "
+                f"(a job scheduler or `kill`): not a lack of memory")
+    if signum == signal.SIGKILL:
+        return ("SIGKILL: the kernel's out-of-memory killer is the usual cause (`dmesg` says); "
+                "free memory, or pass --num-workers 0")
+    return ("unless a job scheduler or `kill` signalled it, the kernel's out-of-memory killer is "
+            "the usual cause (`dmesg` says); free memory, or pass --num-workers 0")
+
+
+def _child_ended(signum, frame):
+    """SIGCHLD once the DataLoader's handler is off: nothing to do. A Python function,
+    not SIG_DFL: Python runs a signal's handler a moment after the signal arrives, and a
+    SIGCHLD that arrived before the switch, handled after it, would find SIG_DFL there
+    and print a traceback ("OSError: Signal 17 ignored due to race condition")."""
+
+
+def stop_watching_workers() -> None:
+    """Turn the DataLoader's SIGCHLD handler off. Python runs pending handlers at the start
+    of `signal.signal`: torch's may raise there for a worker that just died (of this very
+    Ctrl-C, or of what is being reported); it is off all the same."""
+    try:
+        signal.signal(signal.SIGCHLD, _child_ended)
+    except RuntimeError:
+        signal.signal(signal.SIGCHLD, _child_ended)
 
 
 def _interrupted(signum, frame):
     """SIGINT: kill the DataLoader workers first (a live one would print a traceback for
-    the batch it was handing over), unheard by the DataLoader, then end main()."""
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    the batch it was handing over), unheard by the DataLoader, then end main(). A forked
+    DataLoader worker has this handler too: it dies of the SIGINT, which its trainer then
+    reads as the Ctrl-C it is."""
+    if get_worker_info() is not None:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    stop_watching_workers()
     for child in multiprocessing.active_children():
         child.kill()
     raise KeyboardInterrupt
+
+
+def say_interrupted(resumes: bool):
+    """Ctrl-C: one line (rank 0), exit status 130, no teardown (peers may be gone, and
+    waiting for them would hang)."""
+    if int(os.environ.get("RANK") or 0) == 0:
+        # the terminal echoed ^C where the cursor was: a bar's close ends that line
+        print(f"{'' if end_progress_bars() else chr(10)}interrupted (Ctrl-C): "
+              f"{INTERRUPTED_RESUMABLE if resumes else INTERRUPTED}", file=sys.stderr, flush=True)
+    os._exit(130)
 
 
 def run_main(main, oom_advice: str = TRAINING_OOM_ADVICE, resumes: bool = False):
@@ -163,25 +235,23 @@ def run_main(main, oom_advice: str = TRAINING_OOM_ADVICE, resumes: bool = False)
         e = raised
         try:
             with suppress(ValueError):  # (the main thread only)
-                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                signal.signal(signal.SIGCHLD, _child_ended)
         except RuntimeError as in_torchs_words:
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            signal.signal(signal.SIGCHLD, _child_ended)
             e = in_torchs_words
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if dataloader_worker_died(e):
-            # "exited unexpectedly" may carry the signal that killed it in its cause
+            signum = worker_death_signal(e)
+            if signum == signal.SIGINT:  # a Ctrl-C, which reached the worker first
+                say_interrupted(resumes)
             if "killed by signal" in str(e.__cause__):
                 first = str(e.__cause__).strip().splitlines()[0]
-            fail(f"a DataLoader worker died ({first[:200].rstrip('. ')}): {worker_death_cause(first)}",
+            fail(f"a DataLoader worker died ({first[:200].rstrip('. ')}): {worker_death_cause(signum)}",
                  status=1, skip_teardown=True)
         if not out_of_memory(e):
             raise
         fail(f"out of memory ({first[:200]}): {oom_advice}", status=1)
     except KeyboardInterrupt:
-        if int(os.environ.get("RANK") or 0) == 0:
-            # the terminal echoed ^C where the cursor was: a bar's close ends that line
-            print(f"{'' if end_progress_bars() else chr(10)}interrupted (Ctrl-C): "
-                  f"{INTERRUPTED_RESUMABLE if resumes else INTERRUPTED}", file=sys.stderr, flush=True)
-        os._exit(130)  # no teardown: peers may be gone, and waiting for them would hang
+        say_interrupted(resumes)
     finally:
         signal.signal(signal.SIGINT, previous)
