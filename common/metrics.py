@@ -286,10 +286,16 @@ def throughput_rows(s: dict) -> list[tuple[str, str]]:
             ("tokens per step", _fmt(s["tokens_per_step"])), ("tokens/s total", _fmt(s["tokens_per_s"]))]
     if s.get("real_tokens_per_s") is not None:
         rows.append(("tokens/s real (no padding)", _fmt(s["real_tokens_per_s"])))
+    # the wall time in parts: the timed phases (device time on a GPU: an estimate), and
+    # the rest, other (waiting for other ranks or pipeline stages, what no phase times)
+    wall = s.get("step_wall_s") or total
+    other = max(0.0, wall - total)
     rows += [("tokens/s per device", _fmt(s["tokens_per_s_per_device"])),
-             ("step time (ms, wall)", f"{s.get('step_wall_s', total) * 1e3:.1f}"),
-             ("phase split (estimate)", f"{total * 1e3:.1f} ms timed in phases")]
-    rows += [(f"  {p}", f"{st[p] * 1e3:.1f} ms ({100 * st[p] / total:.1f}%)") for p in PHASES]
+             ("step time (ms, wall)", f"{wall * 1e3:.1f} = phases {total * 1e3:.1f} (an estimate) "
+                                      f"+ other {other * 1e3:.1f}")]
+    rows += [(f"  {p}", f"{st[p] * 1e3:.1f} ms ({100 * st[p] / wall:.1f}%)") for p in PHASES]
+    rows.append(("  other", f"{other * 1e3:.1f} ms ({100 * other / wall:.1f}%): waiting for other "
+                            f"ranks or stages, untimed work"))
     if s.get("threads_per_process"):
         rows.append(("CPU threads", f"{s['threads_per_process']} per process x "
                      f"{s['processes_per_machine']} process(es) on this machine ({s['cpu_cores']} cores)"))

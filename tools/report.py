@@ -7,7 +7,8 @@ Markdown comparison table and writes, into `--out`:
   tokens_per_s.png   tokens/s per run (horizontal bars coloured by device; a --padded
                      run's real tokens/s inside its bar; `! busy` on runs whose machine
                      was loaded over its cores, as the table's `!`)
-  step_time.png      mean step time split into data / forward / backward / update
+  step_time.png      mean step time (wall), in parts: data / forward / backward / update,
+                     and the rest (other: waiting for other ranks or pipeline stages)
   loss.png           the loss curve of every run (from its metrics.jsonl), at most
                      8 curves per panel so each keeps its own colour
 
@@ -22,8 +23,9 @@ cores (load marked `!` when it went above the machine's core count).
 A run whose figures cannot be read (a summary that is not JSON, incomplete, nested too
 deep, or with a non-finite tokens/s or step time) is left out with one warning line, and
 so is a summary.json that is not a regular file (a FIFO is never opened); a metrics line
-that is not JSON is skipped. An --out that cannot be written, or that holds a report.md
-this command did not write, is refused before any work.
+that is not JSON, or whose step or loss is no finite number, is skipped. An --out that
+cannot be written, or that holds a report.md or plot this command did not write (a plot
+it wrote carries a `Source` note in its PNG), is refused before any work.
 
 Archived runs (chapter 04's --fresh moves an earlier run into `<run>/archive-<time>/`)
 are left out by default, with one line saying how many; `--include-archived` adds them,
@@ -51,6 +53,8 @@ REQUIRED_KEYS = ("chapter", "experiment_name", "launcher", "world_size", "num_de
                  "step_time_s", "peak_memory_mb")
 PLOTS = ("tokens_per_s.png", "step_time.png", "loss.png")
 TITLE = "# Run comparison"  # report.md's first line: how a report.md this command wrote is known
+SOURCE = "python -m tools.report"  # each plot's PNG `Source` note: how a plot this command wrote is known
+PNG_SOURCE = b"tEXtSource\x00" + SOURCE.encode()  # (a text chunk, before the image data)
 ARCHIVE_PREFIX = "archive-"   # common.runfolder.archive_run's folder names
 CURVES_PER_PANEL = 8
 
@@ -91,6 +95,16 @@ def find_summaries(paths, include_archived: bool = False) -> list[Path]:
     return list(found)
 
 
+def finite(v) -> bool:
+    """A number a float can hold, not NaN or infinite (an integer of 400 digits is not)."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
 def read_loss_curve(path: Path) -> list[dict]:
     """Records of metrics.jsonl that carry a loss, one per step. A resumed run (chapter 04)
     logs the steps between its last checkpoint and the crash twice; the later record
@@ -98,8 +112,7 @@ def read_loss_curve(path: Path) -> list[dict]:
     diverged step), is left out rather than fatal."""
     by_step: dict[int, dict] = {}
     for rec in read_metrics(path):  # lines that are not JSON (torn, binary) are skipped
-        if isinstance(rec.get("step"), (int, float)) and isinstance(rec.get("loss"), (int, float)) \
-                and math.isfinite(rec["step"]) and math.isfinite(rec["loss"]):
+        if finite(rec.get("step")) and finite(rec.get("loss")):
             by_step[int(rec["step"])] = rec
     return [by_step[s] for s in sorted(by_step)]
 
@@ -124,12 +137,12 @@ def load_runs(summary_paths) -> list[Run]:
             if missing:
                 raise ValueError(f"missing keys {', '.join(missing)}")
             numbers = [summary["tokens_per_s"], *(summary["step_time_s"].get(p) for p in PHASES)]
-            if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in numbers):
-                raise ValueError("tokens_per_s or a step_time_s phase is not a number, or not finite")
+            if not all(map(finite, numbers)) or not finite(step_wall_s(summary)):
+                raise ValueError("tokens_per_s, the step time or one of its phases is not a number, or not finite")
             run = Run(path, summary)
             table_rows([run])  # every cell must format: fail here, not halfway through
             row_labels([run]), tokens_labels([run])  # and every plot label (the device type)
-        except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
+        except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError, OverflowError) as e:
             print(f"warning: skipping {path}: {e}", file=sys.stderr)
             continue
         metrics_path = path.with_name("metrics.jsonl")
@@ -137,6 +150,22 @@ def load_runs(summary_paths) -> list[Run]:
         runs.append(run)
     runs.sort(key=lambda r: (str(r.summary["chapter"]), str(r.name)))
     return runs
+
+
+def step_wall_s(s: dict) -> float:
+    """A step's wall time, what tokens/s is measured over (the sum of the phases in a
+    summary older than the wall time's field)."""
+    st = s["step_time_s"]
+    return s.get("step_wall_s", st.get("total", sum(st[p] for p in PHASES)))
+
+
+def step_parts_s(s: dict) -> dict[str, float]:
+    """The wall time of a step in parts: its timed phases, and `other`, the rest (waiting
+    for other ranks or pipeline stages, logging). On a GPU the phases are device time,
+    which can add up to a little more than the wall: other is then 0."""
+    parts = {p: s["step_time_s"][p] for p in PHASES}
+    parts["other"] = max(0.0, step_wall_s(s) - sum(parts.values()))
+    return parts
 
 
 def _num(v, digits=1, scale=1.0, suffix=""):
@@ -193,7 +222,6 @@ def table_rows(runs: list[Run]) -> list[dict]:
     rows = []
     for r in runs:
         s = r.summary
-        st = s["step_time_s"]
         ck = s.get("checkpoint") or {}
         kind = {"cuda_max_allocated": "CUDA", "process_peak_rss": "RSS"}.get(
             s.get("peak_memory_kind"), s.get("peak_memory_kind") or "")
@@ -216,8 +244,8 @@ def table_rows(runs: list[Run]) -> list[dict]:
             "tokens/s": _num(s["tokens_per_s"], 0),
             "real tokens/s": _real(s),
             "tokens/s/device": _num(s["tokens_per_s_per_device"], 0),
-            **{f"{p} ms": _num(st[p], 1, 1e3) for p in PHASES},
-            "step ms": _num(st.get("total", sum(st[p] for p in PHASES)), 1, 1e3),
+            **{f"{p} ms": _num(v, 1, 1e3) for p, v in step_parts_s(s).items()},
+            "step ms": _num(step_wall_s(s), 1, 1e3),
             "peak memory": f"{_num(s['peak_memory_mb'], 0)} MB {kind}".rstrip(),
             "model FLOP/s": _flops(s.get("model_flops_per_s")),
             "MFU": _num(s.get("mfu"), 1, 100, "%"),
@@ -324,7 +352,7 @@ def _pyplot():
 def _save(plt, fig, path: Path) -> Path:
     """Whole or not at all: a full disk leaves the previous report's image as it was."""
     try:
-        atomic_write(path, lambda f: fig.savefig(f, dpi=DPI, format="png"))
+        atomic_write(path, lambda f: fig.savefig(f, dpi=DPI, format="png", metadata={"Source": SOURCE}))
     finally:
         plt.close(fig)
     return path
@@ -424,18 +452,21 @@ def plot_tokens_per_s(runs: list[Run], path: Path) -> Path:
 def plot_step_time(runs: list[Run], path: Path) -> Path:
     plt = _pyplot()
     with plt.rc_context({"font.size": FONT_SIZE}):
-        fig, ax = _bar_figure(plt, runs, "Where a step's time goes", "mean step time (ms)")
+        fig, ax = _bar_figure(plt, runs, "Where a step's time goes", "mean step time, wall (ms)")
         y = range(len(runs))
         left = [0.0] * len(runs)
-        for phase in PHASES:
-            ms = [r.summary["step_time_s"][phase] * 1e3 for r in runs]
-            ax.barh(y, ms, left=left, label=phase)
+        parts = [step_parts_s(r.summary) for r in runs]
+        for part in (*PHASES, "other"):
+            ms = [p[part] * 1e3 for p in parts]
+            ax.barh(y, ms, left=left, label="other (waits, untimed)" if part == "other" else part,
+                    color="lightgrey" if part == "other" else None, hatch="//" if part == "other" else "")
             left = [a + m for a, m in zip(left, ms)]
-        for i, total in enumerate(left):
-            ax.annotate(f"{total:,.1f}", (total, i), xytext=(3, 0),
+        walls = [step_wall_s(r.summary) * 1e3 for r in runs]
+        for i, (total, wall) in enumerate(zip(left, walls)):
+            ax.annotate(f"{wall:,.1f}", (total, i), xytext=(3, 0),
                         textcoords="offset points", va="center")
         ax.set_xlim(0, 1.15 * max(max(left), 1e-9))
-        fig.legend(loc="outside lower center", ncols=len(PHASES))
+        fig.legend(loc="outside lower center", ncols=len(PHASES) + 1)
         return _save(plt, fig, path)
 
 
@@ -489,18 +520,27 @@ def write_report(runs: list[Run], out: Path, sections=()) -> tuple[str, list[Pat
     return text, [md, *written]
 
 
-def check_not_theirs(md: Path) -> None:
-    """A report.md in the output folder is replaced only if this command wrote it (its
-    first line is TITLE): a user's own notes of that name are not. Raises UsageError."""
-    if not (md.exists() or md.is_symlink()):
-        return
-    first = b""
-    if md.is_file():  # only a regular file is read: a FIFO could block
-        with open(md, "rb") as f:
-            first = f.readline(len(TITLE) + 2)
-    if first.rstrip(b"\r\n") != TITLE.encode():
-        raise UsageError(f"{str(md)!r} exists and was not written by this command (its first line "
-                         f"is not {TITLE!r}); move it, or choose another --out")
+def written_here(path: Path) -> bool:
+    """Whether `path` is a file this command wrote: report.md whose first line is TITLE,
+    a plot whose PNG carries the Source note. Only a regular file is read (a FIFO could
+    block)."""
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        if path.suffix == ".md":
+            return f.readline(len(TITLE) + 2).rstrip(b"\r\n") == TITLE.encode()
+        return PNG_SOURCE in f.read(4096)
+
+
+def check_not_theirs(out: Path) -> None:
+    """report.md and the plots in the output folder are replaced only if this command
+    wrote them: a user's own notes or images of those names are not. Raises UsageError."""
+    for path in (out / "report.md", *(out / name for name in PLOTS)):
+        if (path.exists() or path.is_symlink()) and not written_here(path):
+            why = (f"its first line is not {TITLE!r}" if path.suffix == ".md" else
+                   f"its PNG has no Source note {SOURCE!r}")
+            raise UsageError(f"{str(path)!r} exists and was not written by this command ({why}); "
+                             f"move it, or choose another --out")
 
 
 def main(argv=None) -> int:
@@ -526,7 +566,7 @@ def main(argv=None) -> int:
         if out.exists() and not out.is_dir():
             raise UsageError(f"--out {str(out)!r} exists and is not a folder")
         check_writable_folder(out, "--out")
-        check_not_theirs(out / "report.md")
+        check_not_theirs(out)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
