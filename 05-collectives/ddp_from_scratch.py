@@ -445,6 +445,7 @@ def main():
     except NotFinite as stop:  # a NaN or an infinity: nothing after it means anything
         if rank == 0:
             print(f"FAILED: {stop}", file=sys.stderr, flush=True)
+        dist.barrier()  # nobody leaves before rank 0 has said it
         gc_and_destroy_process_group()
         return 1
 

@@ -422,6 +422,7 @@ def run(args, demo):
         except proof.NotFinite as stop:  # a NaN or an infinity: nothing after it means anything
             if demo.rank == 0:
                 print(f"FAILED: {stop}", file=sys.stderr, flush=True)
+            dist.barrier()  # nobody leaves before rank 0 has said it
             return 1
 
     # ---- 2. time, in the training dtype ----------------------------------------------
