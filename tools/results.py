@@ -8,13 +8,18 @@ never typed by hand.
     python -m tools.results                                  # docs/results.md, again, from docs/results/
 
 A record holds its provenance (machine, torch, Python, the command, the commit, the
-date) beside the figures. tests/test_results.py fails when docs/results.md is not what
-this command writes from the records.
+date) beside the figures, and may be given a hand-written `source` note. A record is
+never replaced: a second measurement of the same day is kept beside the first
+(`<kind>-<date>-2.json`), and the same folder recorded twice is kept once. A folder, a
+results.json or a record this command cannot read is one line and exit status 2, before
+anything is written. tests/test_results.py fails when docs/results.md is not what this
+command writes from the records.
 """
 
 from __future__ import annotations
 
 import platform
+import re
 import sys
 from pathlib import Path
 
@@ -24,7 +29,7 @@ from common.files import atomic_write, read_json, write_json
 from common.tables import markdown_table
 
 from .gpu_check import commit
-from .report import busy, find_summaries, load_runs
+from .report import busy, find_summaries, load_runs, step_wall_s
 
 RECORDS = REPO_ROOT / "docs" / "results"
 DOCUMENT = REPO_ROOT / "docs" / "results.md"
@@ -48,7 +53,7 @@ def tour_record(folder: Path) -> dict:
             "runs": [{"run": r.name, "processes": r.summary["world_size"],
                       "tokens_per_s": r.summary["tokens_per_s"],
                       "tokens_per_s_per_device": r.summary["tokens_per_s_per_device"],
-                      "step_ms": 1e3 * r.summary["step_wall_s"], "mfu": r.summary.get("mfu"),
+                      "step_ms": 1e3 * step_wall_s(r.summary), "mfu": r.summary.get("mfu"),
                       "final_loss": r.summary.get("final_loss"), "val_loss": r.summary.get("val_loss"),
                       "busy": busy(r.summary)} for r in runs],
             "tables": {p.parent.name: p.read_text().strip() for p in sorted(folder.glob("*/tables.md"))}}
@@ -57,23 +62,68 @@ def tour_record(folder: Path) -> dict:
 def gpu_record(folder: Path) -> dict:
     """What `python -m tools.gpu_check --out folder` measured: results.json, whole."""
     results = read_json(folder / "results.json")
-    if not isinstance(results, dict) or "environment" not in results:
-        raise UsageError(f"{folder} holds no results.json of python -m tools.gpu_check")
+    if not isinstance(results, dict) or not isinstance(results.get("environment"), dict):
+        raise UsageError(f"{folder} holds no results.json of python -m tools.gpu_check "
+                         f"(its 'environment' is missing or not an object)")
     env = results["environment"]
     driver = (env.get("nvidia_smi") or {}).get("driver")
     details = ", ".join(filter(None, [driver and f"driver {driver}", env.get("cuda") and f"CUDA {env['cuda']}"]))
     return {"kind": "gpu", "title": f"The GPU suite and benchmark on {', '.join(env.get('cuda_devices') or ['?'])}",
-            "command": "python -m tools.gpu_check --out " + folder.name, "date": env["date_utc"][:10],
+            "command": "python -m tools.gpu_check --out " + folder.name, "date": str(env["date_utc"])[:10],
             "machine": ", ".join(env.get("cuda_devices") or []) + (f" ({details})" if details else ""),
             "torch": env["torch"],
             "python": env["python"], "commit": env.get("commit"), "results": results}
 
 
+DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
+# what a malformed record or measurement raises while it is read or written out
+MALFORMED = (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError, RecursionError)
+
+
+def what_is_wrong(e: BaseException) -> str:
+    return f"no {e.args[0]!r}" if isinstance(e, KeyError) and e.args else str(e) or type(e).__name__
+
+
+def check_record(r) -> None:
+    """Raise ValueError (or what reading it raises) unless `r` is a record this command
+    can write out: a kind, a date, and every field its sections read."""
+    if not isinstance(r, dict) or r.get("kind") not in ("tour", "gpu"):
+        raise ValueError("its kind is not 'tour' or 'gpu'")
+    if not (isinstance(r.get("date"), str) and DATE.fullmatch(r["date"])):
+        raise ValueError(f"its date {r.get('date')!r} is not YYYY-MM-DD")
+    document([r]), readme_block([r])
+
+
+def same_measurement(a: dict, b: dict) -> bool:
+    """The same folder recorded twice: equal but for when and by what it was recorded."""
+    later = ("commit", "python", "source")
+    return {k: v for k, v in a.items() if k not in later} == {k: v for k, v in b.items() if k not in later}
+
+
+def shown(path: Path) -> str:
+    """A path as typed at the repository root."""
+    return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
+
+
 def record(folder: Path) -> Path:
-    """Keep a measurement's figures in docs/results/<kind>-<date>.json; returns the file."""
-    made = gpu_record(folder) if (folder / "results.json").is_file() else tour_record(folder)
-    path = RECORDS / f"{made['kind']}-{made['date']}.json"
+    """Keep a measurement's figures in docs/results/<kind>-<date>.json (-2, -3, ... when
+    the day has a record already); returns the file. Nothing is written unless the
+    measurement reads whole; an earlier record is never replaced."""
+    if not folder.is_dir():
+        raise UsageError(f"--record {str(folder)!r}: no such folder (a tour's --out, or a GPU run's)")
+    try:
+        made = gpu_record(folder) if (folder / "results.json").is_file() else tour_record(folder)
+        check_record(made)
+    except MALFORMED as e:
+        raise UsageError(f"{folder} holds a measurement this command cannot read ({what_is_wrong(e)}); "
+                         f"nothing was recorded") from None
     RECORDS.mkdir(parents=True, exist_ok=True)
+    for n in range(1, 1000):
+        path = RECORDS / f"{made['kind']}-{made['date']}{'' if n == 1 else f'-{n}'}.json"
+        if not path.exists():
+            break
+        if same_measurement(read_json(path) or {}, made):
+            raise UsageError(f"{folder} is recorded already, in {shown(path)}")
     write_json(path, made)
     return path
 
@@ -168,12 +218,21 @@ def with_readme_block(text: str, block: str) -> str:
     return head + block + rest.split(END, 1)[1]
 
 
-def load_records(folder: Path = RECORDS) -> list[dict]:
-    records = [read_json(p) for p in sorted(folder.glob("*.json"))]
-    bad = [p.name for p, r in zip(sorted(folder.glob("*.json")), records) if not isinstance(r, dict)]
-    if bad:
-        raise UsageError(f"not a record: {', '.join(bad)} in {folder}")
-    return sorted(records, key=lambda r: (r["kind"], r["date"]))
+def load_records(folder: Path | None = None) -> list[dict]:
+    """Every record in `folder` (default RECORDS), oldest first by kind and date; one that
+    is not a record this command can read raises UsageError naming it."""
+    folder = RECORDS if folder is None else folder
+    records = []
+    for path in sorted(folder.glob("*.json")):
+        r = read_json(path)
+        try:
+            check_record(r)
+        except MALFORMED as e:
+            why = "not JSON" if r is None else what_is_wrong(e)
+            raise UsageError(f"not a record: {path.name} in {folder} ({why}); fix it or move it away") from None
+        n = path.stem.rsplit("-", 1)[-1]  # the day's second record (-2) after its first
+        records.append(((r["kind"], r["date"], int(n) if path.stem.count("-") == 4 and n.isdigit() else 1), r))
+    return [r for _, r in sorted(records, key=lambda kr: kr[0])]
 
 
 def main(argv=None) -> int:
@@ -181,17 +240,18 @@ def main(argv=None) -> int:
     p.add_argument("--record", type=Path, help="a tour's folder or a GPU run's --out folder to keep first")
     args = p.parse_args(argv)
     try:
+        load_records()  # every record kept so far reads, before one is added
         if args.record:
-            print(f"recorded {record(args.record)}")
-        text = document(load_records())
-        readme = with_readme_block(README.read_text(), readme_block(load_records()))
+            print(f"recorded {shown(record(args.record))}")
+        records = load_records()
+        text = document(records)
+        readme = with_readme_block(README.read_text(), readme_block(records))
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     atomic_write(DOCUMENT, lambda f: f.write(text.encode()))
     atomic_write(README, lambda f: f.write(readme.encode()))
-    print(f"wrote {DOCUMENT.relative_to(REPO_ROOT)} and README.md's results from "
-          f"{len(list(RECORDS.glob('*.json')))} record(s)")
+    print(f"wrote {shown(DOCUMENT)} and README.md's results from {len(records)} record(s)")
     return 0
 
 
