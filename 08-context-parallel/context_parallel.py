@@ -26,6 +26,7 @@ and `parallelize` makes each layer's rotary tables and attention use them.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 
@@ -297,10 +298,11 @@ ATTENTION = {"ring": ring_attention, "all-to-all": all_to_all_attention}
 
 class ShardRotary(nn.Module):
     """The rotary tables at this rank's token positions (in the whole sequence), whatever
-    the shard's length: cos[positions], sin[positions]."""
+    the shard's length: cos[positions], sin[positions]. `whole` is the table it replaced."""
 
     def __init__(self, rotary: nn.Module, positions: torch.Tensor):
         super().__init__()
+        self.whole = rotary
         self.register_buffer("cos", rotary.cos[positions], persistent=False)
         self.register_buffer("sin", rotary.sin[positions], persistent=False)
 
@@ -308,13 +310,19 @@ class ShardRotary(nn.Module):
         return self.cos, self.sin
 
 
+def decoder_layers(model):
+    """The decoder layers of a LlamaForCausalLM (a list) or of a pipeline stage (a dict)."""
+    return model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
+
+
 def parallelize(model, group, split: SequenceSplit, variant: str = "ring"):
-    """Make `model` (a LlamaForCausalLM, split by tensor parallelism first or not) run on
-    this rank's tokens of every sequence, in place: the rotary tables at the shard's
-    positions, and each layer's attention over the whole sequence through `variant`."""
+    """Make `model` (a LlamaForCausalLM or a pipeline stage of one, split by tensor
+    parallelism first or not) run on this rank's tokens of every sequence, in place: the
+    rotary tables at the shard's positions, and each layer's attention over the whole
+    sequence through `variant`."""
     positions = shard_positions(split, group).to(model.rotary.cos.device)
     model.rotary = ShardRotary(model.rotary, positions)
-    for layer in model.layers:
+    for layer in decoder_layers(model):
         # the layer computes q, k and v of this rank's tokens; they attend every rank's
         layer.self_attn.attend = partial(attend_split, ATTENTION[variant], group, split)
     return model
@@ -326,3 +334,36 @@ def attend_split(attention, group, split: SequenceSplit, q, k, v, attn_mask=None
     if attn_mask is not None:
         raise ValueError("context parallelism here takes packed sequences, without a padding mask")
     return attention(q, k, v, group, split)
+
+
+@torch.no_grad()
+def sum_gradients(params, group):
+    """The cp ranks hold the same weights, and each has the gradient of its own tokens'
+    loss: the whole sequence's is their sum (one all-reduce of them all, end to end)."""
+    grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))
+
+
+@contextmanager
+def whole_sequences(models):
+    """For the duration, `models` (parallelized as above) attend over their own input as
+    one process does, rotated from position 0: for sampling, where every rank of a cp
+    group runs the same growing sequence, whole."""
+    undo = []
+    for m in models:
+        if isinstance(m.rotary, ShardRotary):
+            attends = [layer.self_attn.attend for layer in decoder_layers(m)]
+            for layer in decoder_layers(m):
+                del layer.self_attn.attend  # back to common.model's Attention.attend
+            undo.append((m, m.rotary, attends))
+            m.rotary = m.rotary.whole
+    try:
+        yield
+    finally:
+        for m, rotary, attends in undo:
+            m.rotary = rotary
+            for layer, attend in zip(decoder_layers(m), attends):
+                layer.self_attn.attend = attend
