@@ -20,12 +20,14 @@ parallelize.py): torch's schedules tell FSDP which backward of a step is the las
 it reduce-scatters each stage's gradients once per step, not once per micro-batch.
 
 `Pipeline.events` records when each forward and backward ran (measure.py's bubble);
-`Pipeline.forward` runs one batch through the stages with no schedule (evaluation and
-sampling through the pipeline).
+`Pipeline.forward` runs one batch through the stages with no schedule, for evaluation
+(`evaluate`) and sampling (`PipelineModel`) through the pipeline: no rank ever holds
+the whole model, not even at the end of training.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from contextlib import nullcontext
 
@@ -33,6 +35,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.tensor import DTensor
+
+from common.data import IGNORE_INDEX
+from common.masks import build_attention_mask
+from common.model import LlamaForCausalLM
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
 
@@ -120,7 +127,7 @@ class Pipeline:
         self.device, self.hidden_size, self.dtype = device, hidden_size, dtype
         self.first, self.last = stage_ids[0] == 0, stage_ids[-1] == num_stages - 1
         self.events = []  # (kind, stage, micro-batch, start, end) of each forward and backward
-        self.loss_fn = None
+        self.loss_fn, self.phase = None, None
         self.schedule = None
         if num_stages > 1:
             self.stages = [PipelineStage(m, s, num_stages, device, group=group) for m, s in zip(stages, stage_ids)]
@@ -135,27 +142,31 @@ class Pipeline:
 
     def timed(self, stage, method: str, kind: str):
         """Record each call of stage.`method` (a forward or backward, without the waits
-        for neighbours around it) in self.events."""
+        for neighbours around it) in self.events, inside the tracker's phase of its name."""
         run = getattr(stage, method)
 
         def record(chunk, *args, **kwargs):
             start = time.perf_counter()
             try:
-                return run(chunk, *args, **kwargs)
+                with self.phase("forward" if kind == "F" else "backward"):
+                    return run(chunk, *args, **kwargs)
             finally:
                 self.events.append((kind, stage.stage_index, chunk, start, time.perf_counter()))
         setattr(stage, method, record)
 
-    def step(self, micro_batches, loss_fn) -> torch.Tensor:
+    def step(self, micro_batches, loss_fn, phase=None) -> torch.Tensor:
         """Forward and backward of every micro-batch; gradients accumulate in .grad.
-        `loss_fn(logits, y)` gives a micro-batch's share of the step's loss. Returns the
-        sum of the micro-batch losses on the rank of the last stage, 0 elsewhere."""
-        self.events = []
+        `loss_fn(logits, y)` gives a micro-batch's share of the step's loss; `phase(name)`
+        (the tracker's) times each forward and backward. Returns the sum of the micro-
+        batch losses on the ranks of the last stage, 0 elsewhere."""
+        self.events, self.phase = [], phase or (lambda name: nullcontext())
         if self.schedule is None:
             losses = []
             for x, y, mask in micro_batches:
-                loss = loss_fn(self.modules[0](x, mask), y)
-                loss.backward()
+                with self.phase("forward"):
+                    loss = loss_fn(self.modules[0](x, mask), y)
+                with self.phase("backward"):
+                    loss.backward()
                 losses.append(loss.detach())
             return torch.stack(losses).sum()
         self.loss_fn = loss_fn
@@ -189,3 +200,57 @@ class Pipeline:
             if s < self.num_stages - 1:
                 dist.send(out.contiguous(), group_dst=(s + 1) % pp, group=self.group)
         return out if self.last else None
+
+
+@torch.no_grad()
+def evaluate(pipeline: Pipeline, loader, data, loss_fn, context, max_batches: int, tp_rank: int):
+    """Chapter 01's validation loss (the mean over every real target token), through the
+    pipeline: each replica's ranks evaluate the same batches (a loader over the dp
+    replicas), the last stage's first tp rank counts them. Returns (loss or None, the
+    batches evaluated over all replicas). Every rank calls it."""
+    for m in pipeline.modules:
+        m.eval()
+    sums = torch.zeros(3, dtype=torch.float64, device=pipeline.device)
+    for x, y in itertools.islice(loader, max_batches):
+        x, y = x.to(pipeline.device), y.to(pipeline.device)
+        with context():
+            logits = pipeline.forward(x, None if data.packed else build_attention_mask(x, data.pad_id))
+            if logits is not None:  # the last stage's ranks: all of them compute (tp: a collective)
+                loss = torch.stack([loss_fn(logits, y).double(), (y != IGNORE_INDEX).sum().double(),
+                                    torch.ones((), dtype=torch.float64, device=y.device)])
+                sums += loss * (tp_rank == 0)  # its tp ranks hold the same: one counts
+    dist.all_reduce(sums)
+    for m in pipeline.modules:
+        m.train()
+    total, count, batches = sums.tolist()
+    return (total / count if count else None), int(batches)
+
+
+class PipelineModel:
+    """The pipeline as chapter 01's `sample` sees a model: token ids in, the logits of the
+    last position out, whole, on every rank of the pipeline (the last stage gathers them
+    over its tp ranks and sends them to the other stages). Its `generate` is chapter
+    01's, unchanged. The sequence is padded on the right to a multiple of the tp ranks
+    (sequence parallelism cuts it evenly): causal attention never lets the padding
+    change an earlier position."""
+
+    generate = LlamaForCausalLM.generate  # chapter 01's sampling loop
+
+    def __init__(self, pipeline: Pipeline, config):
+        self.pipeline, self.config = pipeline, config
+
+    def eval(self):
+        return self
+
+    def __call__(self, ids, attn_mask=None, last_only: bool = False):
+        p, (batch, length) = self.pipeline, ids.shape
+        shards = p.modules[0].sequence_shards
+        padded = torch.nn.functional.pad(ids, (0, -length % shards))
+        out = torch.empty((batch, 1, self.config.vocab_size), dtype=torch.float32, device=p.device)
+        logits = p.forward(padded)
+        if logits is not None:
+            logits = logits.full_tensor() if isinstance(logits, DTensor) else logits  # the vocabulary, whole
+            out.copy_(logits[:, length - 1:length])
+        if p.schedule is not None:  # from the last stage's rank to the others of the pipeline
+            dist.broadcast(out, group_src=(p.num_stages - 1) % dist.get_world_size(p.group), group=p.group)
+        return out
