@@ -22,6 +22,7 @@ writes every row, with the device, torch version and peak, to a file.
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -32,7 +33,7 @@ from torch.profiler import record_function
 from common.cli import Parser, check_device, check_writable_folder, non_negative_int, positive_int
 from common.data import DEFAULT_VOCAB_SIZE
 from common.environment import device_name
-from common.errors import UsageError
+from common.errors import UsageError, run_main
 from common.files import write_json
 from common.model import PRESETS, LlamaForCausalLM, attention_flops_per_token, flops_per_token, get_config, num_parameters
 from common.peak_flops import Peak, device_peak, sync
@@ -253,4 +254,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    # out of memory (a preset, batch or vocabulary too large), Ctrl-C: one line
+    sys.exit(run_main(main, "try a smaller --batch-size, --seq-length, --vocab-size or preset"))

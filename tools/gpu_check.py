@@ -39,7 +39,8 @@ from pathlib import Path
 
 import torch
 
-from common.errors import fail
+from common.cli import check_writable_folder
+from common.errors import UsageError, fail
 from common.files import read_json, write_json
 
 REPO = Path(__file__).resolve().parents[1]
@@ -266,6 +267,10 @@ def parse_args(argv=None):
         fail("--out is required (the folder the results go into), or --download-wheels")
     if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
         fail(f"--out {str(args.out)!r} exists and is not an empty folder; choose a new one")
+    try:  # under a file, or where nothing can be written: said now, not at the first result
+        check_writable_folder(args.out, "--out")
+    except UsageError as e:
+        fail(str(e))
     if args.rehearsal and torch.cuda.is_available():
         fail("--rehearsal is for a machine without a GPU: here, run without it")
     if not args.dry_run and not args.rehearsal and not torch.cuda.is_available():
