@@ -2,8 +2,9 @@
 copy of the chapter's scripts (the real files are never touched); the copy's proof runs
 as the page runs it, its ranks started warm, on the tiny preset for one step (two where
 the bug can only show in the second); it must exit 1 with one FAILED line that says what
-differs, at the step where the bug first acts. tests/README.md lists which proof catches
-which bug. Each bug's text must be found once in the current code, so a change to the
+differs, at the step where the bug first acts. Two more bugs target the checks of chapter 06's
+pipeline: its order of sends and receives, and what it keeps. tests/README.md lists
+which proof catches which bug. Each bug's text must be found once in the current code, so a change to the
 code cannot leave a mutant silently unapplied."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from ch06_runs import completes, kept_off_plan, record_p2p
 from conftest import REPO, read_json, run_warm, torchrun_cmd
 
 
@@ -121,3 +123,39 @@ def test_the_proof_that_targets_a_bug_fails(mutant, tmp_path):
         result = read_json(tmp_path / "mutant" / "prove.json")
         worst = max(max(r[k] for k in ("loss", "grads", "clipped", "weights")) for r in result["layouts"].values())
         assert "not finite" in failed[0] or "GPipe" in failed[0] or worst > 100, result
+
+
+# chapter 06's pipeline: the order of its sends and receives, and what it keeps
+UNPAIRED = Mutant("sends-apart-from-their-receive", "06-model-parallel/pipeline_parallel.py",
+                  "            for work in dist.batch_isend_irecv(ops):\n                work.wait()\n",
+                  "            works = [w for op in ops for w in dist.batch_isend_irecv([op])]  # each op alone\n"
+                  "            for work in reversed(works):  # the receive first, then the sends: as isend, then recv\n"
+                  "                work.wait()\n",
+                  4, (), "")
+KEPT = Mutant("sent-tensors-kept-to-the-end", "06-model-parallel/pipeline_parallel.py",
+              "        self.outbox = []  # sent: the tensors are no longer ours to keep\n",
+              "        self.sent = [*getattr(self, 'sent', []), *self.outbox]\n        self.outbox = []\n",
+              2, ("06-model-parallel/measure.py", "--model-preset", "tiny", "--seq-length", "16", "--microbatches",
+                  "1,4", "--steps", "1", "--warmup", "0"), "")
+
+
+def test_sends_apart_from_their_receive_fail_the_order_check(tmp_path):
+    """Each send fired before the receive, in a call of its own, and waited for after it
+    (isend, then recv), as the chapter's pipeline once did: on gloo it runs, but under
+    NCCL's rule the two stages of 1F1B wait on each other's send, and
+    tests/test_ch06_pipeline.py's checks fail."""
+    copy = inject(UNPAIRED, tmp_path / "copy")
+    p2p = record_p2p(copy / "06-model-parallel", tmp_path / "out")
+    assert p2p[0]["1f1b p2 m3"] != [[["send", 1]], [["send", 1], ["recv", 1]], [["send", 1], ["recv", 1]],
+                                    [["recv", 1]]]
+    assert not completes([p2p[rank]["1f1b p2 m3"] for rank in range(2)])
+
+
+def test_sent_tensors_kept_to_the_end_of_the_step_fail_the_memory_check(tmp_path):
+    """Every sent tensor kept until the step ends, as the chapter's pipeline once did: what
+    1F1B's stages keep then grows with m, and is no longer the planner's."""
+    copy = inject(KEPT, tmp_path / "copy")
+    script, *args = KEPT.proof
+    run_warm(torchrun_cmd(2, copy / script, *args, "--save-dir", tmp_path, "--experiment-name", "m"), timeout=300)
+    off = kept_off_plan(read_json(tmp_path / "m" / "measure.json"))
+    assert any(line.startswith("1f1b m=4") for line in off), off
