@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import sys
@@ -106,12 +107,19 @@ def local_files(name: str) -> list[str]:
     elif os.path.isfile(path):
         files = [path]
     else:
-        files = sorted(f for f in glob.glob(path, recursive=True) if os.path.isfile(f))
+        matches = glob.glob(path, recursive=True)
+        files = sorted(f for f in matches if os.path.isfile(f))
+        if not files and (os.path.exists(path) or matches):  # never opened: reading could block
+            raise DataError(f"local dataset {name!r} is not a regular file or a folder (a FIFO, socket "
+                            f"or device is not read); name a file, folder or glob of files")
         if not files:
             raise DataError(f"local dataset {name!r} does not exist")
     files = [f for f in files if f.endswith(LOCAL_SUFFIXES)]
     if not files:
         raise DataError(f"local dataset {name!r} holds no {'/'.join(LOCAL_SUFFIXES)} files")
+    if all(os.path.getsize(f) == 0 for f in files):
+        raise DataError(f"dataset {name!r} is empty (no non-blank documents: its "
+                        f"{'file is' if len(files) == 1 else f'{len(files)} files are'} empty)")
     if len({f.endswith(".jsonl") for f in files}) > 1:
         raise DataError(f"local dataset {name!r} mixes .jsonl with text files; use one kind")
     return files
@@ -217,6 +225,30 @@ def cache_unwritable(folder: Path, e: OSError) -> DataError:
                      f"free space there, or point --cache-dir (or $LLM_GUIDE_CACHE) at a writable folder")
 
 
+# BPE training takes a run of characters without whitespace as one word, and its time grows
+# with the square of a word's length: a 300,000-character line of minified JSON or base64
+# took minutes, a 3 MB one hours. Such runs are cut into pieces this long for the training
+# (the tokenized corpus keeps them whole); no token worth learning is longer.
+LONGEST_WORD = 1000
+LONG_RUN = re.compile(rf"\S{{{LONGEST_WORD + 1},}}")
+
+
+def long_runs_cut(batches, cuts: list[int]):
+    """Each batch of texts for the tokenizer's training, every run of more than
+    LONGEST_WORD characters without whitespace cut into pieces, each a text of its own
+    (a space would add a token that was not in the text). Counts the runs in cuts[0]."""
+    for texts in batches:
+        out = []
+        for text in texts:
+            start = 0
+            for run in LONG_RUN.finditer(text):
+                out.append(text[start:run.start()])
+                out += [run[0][i:i + LONGEST_WORD] for i in range(0, len(run[0]), LONGEST_WORD)]
+                start, cuts[0] = run.end(), cuts[0] + 1
+            out.append(text[start:] if start else text)
+        yield out
+
+
 def train_tokenizer(texts, vocab_size: int = DEFAULT_VOCAB_SIZE):
     """Byte-level BPE: every byte is in the alphabet, so no text is ever unknown."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -257,8 +289,14 @@ def get_tokenizer(corpus: Corpus, vocab_size: int = DEFAULT_VOCAB_SIZE,
     path = Path(cache_dir or default_cache_dir()) / f"tokenizer-{key}.json"
     if path.exists():
         return load_tokenizer(path), str(path)
-    tok = train_tokenizer((corpus.dataset[i:i + 1000]["text"]
-                           for i in range(0, len(corpus.dataset), 1000)), vocab_size)
+    cuts = [0]
+    tok = train_tokenizer(long_runs_cut((corpus.dataset[i:i + 1000]["text"]
+                                         for i in range(0, len(corpus.dataset), 1000)), cuts), vocab_size)
+    if cuts[0]:
+        logging.getLogger(__name__).info(
+            "the tokenizer's training cut %d run(s) of more than %d characters without whitespace (minified "
+            "JSON, base64, ...) into pieces of %d: BPE's time grows with the square of a word's length; the "
+            "corpus itself is tokenized whole", cuts[0], LONGEST_WORD, LONGEST_WORD)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, lambda f: f.write(tok.to_str().encode()))
