@@ -1,20 +1,31 @@
 """Chapter 08: context parallelism. The sequence splits (balanced: each rank one chunk
 from the head and one from the tail) and their attention blocks; ring attention and the
-all-to-all variant equal one process's attention in fp64, output and gradients, on 2 and
-3 ranks; a merge without the log-sum-exp rescale, and a causal mask off by a block,
-fail that proof."""
+all-to-all variant equal one process's attention in fp64, output and gradients, and
+whole training steps equal chapter 01's (cp 2 and 3, beside tp, dp and pp); a merge
+without the log-sum-exp rescale, a causal mask off by a block, and three bugs of the
+training step (the cp gradients averaged, RoPE at the shard's own positions, the norm
+counted on every cp rank) fail that proof;
+the training script logs chapter 01's losses with --cp 2 and with --cp 2 --tp 2; the
+work, activations and bytes per rank are counted against the planner; a bad layout is
+one line and exit 2; a lost rank ends the other within --timeout."""
 
 from __future__ import annotations
 
 import shutil
+import time
 
 import pytest
 import torch
 
-from conftest import REPO, chapter_module, read_json, run_warm, torchrun_cmd
+from common.model import get_config
+from common.sizing import PRECISIONS, cp_activation_bytes, cp_traffic_bytes
+from conftest import NO_GPU, REPO, TINY, chapter_module, free_port, load_script, python_cmd, read_json, read_jsonl, \
+    refused, run_warm, start, torchrun_cmd
+from procs import kill_job
 
 FOLDER = "08-context-parallel"
-PROVE = f"{FOLDER}/prove.py"
+SCRIPT = f"{FOLDER}/train_llm.py"
+chapter = load_script(SCRIPT)  # puts its folder on sys.path: the modules beside it import
 cp_lib = chapter_module(FOLDER, "context_parallel")
 
 
@@ -36,8 +47,9 @@ def test_the_balanced_split_gives_each_rank_a_head_and_a_tail_chunk_covering_the
 def test_each_block_is_exactly_the_causal_pairs_of_its_two_shards(cp, balanced):
     """What `block` says a rank's queries attend of another rank's keys is, pair by pair,
     the causal rule on their positions in the whole sequence: key position <= query
-    position. Balanced, every rank attends the same number of pairs; contiguous, the
-    last rank attends 2 cp - 1 times the first rank's, in the limit of long chunks."""
+    position. Balanced, every rank attends the same number of pairs; contiguous, rank r
+    attends 2c(2c+1)/2 + 4c^2 r (2c tokens a rank), the last 2 cp - 1 times the first
+    in the limit of long chunks."""
     split = cp_lib.SequenceSplit(12 * cp, cp, balanced)
     pairs = []
     for rank in range(cp):
@@ -57,7 +69,7 @@ def test_each_block_is_exactly_the_causal_pairs_of_its_two_shards(cp, balanced):
     if balanced:
         assert len(set(pairs)) == 1
     else:
-        c = split.chunk  # 2c tokens a rank: its own block c(2c+1) pairs, each earlier one 4c^2
+        c = split.chunk
         assert pairs == [2 * c * c + c + 4 * c * c * r for r in range(cp)]
 
 
@@ -78,51 +90,215 @@ def test_merging_two_blocks_through_their_log_sum_exp_is_one_softmax_over_both()
     torch.testing.assert_close(lse, whole_lse, rtol=0, atol=1e-14)
 
 
+# ------------------------------------------------------------ bad input: exit 2
+
+@pytest.mark.parametrize("world, argv, message", [
+    (2, ["--cp", "3"], "the world size 2 is not a multiple of --tp 1 x --pp 1 x --cp 3"),
+    (3, ["--cp", "3"], "--seq-length 64 does not cut into 2 x --cp 3 = 6 equal chunks"),
+    (8, ["--model-preset", "medium", "--cp", "2", "--tp", "4", "--seq-length", "36"],
+     "--seq-length 36 / --cp 2 is not a multiple of --tp 4"),
+    (4, ["--cp", "4", "--cp-attention", "all-to-all"], "--cp 4 does not divide the 'tiny' preset's 2 KV heads per tp"),
+    (4, ["--cp", "2", "--tp", "2", "--cp-attention", "all-to-all"],
+     "--cp 2 does not divide the 'tiny' preset's 1 KV heads per tp rank"),
+    (2, ["--cp", "2", "--padded"], "--padded with --cp"),
+    (2, ["--cp", "2", "--cp-attention", "ulysses"], "unknown 'ulysses'; choose one of: ring, all-to-all"),
+])
+def test_a_layout_that_does_not_fit_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys, world, argv, message):
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}.items():
+        monkeypatch.setenv(k, v)
+    line = refused(capsys, chapter.parse_args, [*TINY, *argv, "--save-dir", tmp_path / "out"])
+    assert message in line, line
+    assert not (tmp_path / "out").exists()
+
+
 # ------------------------------------------------------------------ the proofs, warm ranks
 
 def prove(tmp_path, ranks, *flags, folder=REPO / FOLDER, check=True):
     proc = run_warm(torchrun_cmd(ranks, folder / "prove.py", *flags, "--save-dir", tmp_path,
-                                 "--experiment-name", "proof"), timeout=300, check=check)
+                                 "--experiment-name", "proof"), timeout=600, check=check)
     return proc, read_json(tmp_path / "proof" / "prove.json")
 
 
-@pytest.mark.parametrize("ranks", [2, 3])
-def test_split_attention_equals_one_process_output_and_gradients(tmp_path, ranks):
-    """Ring attention (both splits) and, where cp divides the heads, all-to-all: output
-    and the gradients of q, k and v within the tolerance of one process's, in fp64;
-    the ring's merge reorders sums (rounding seen, not zero)."""
-    proc, result = prove(tmp_path, ranks)
-    assert result["passed"] and "OK: on" in proc.stdout, proc.stderr[-3000:]
-    expected = ["ring, balanced", "ring, contiguous"] + ["all-to-all, balanced", "all-to-all, contiguous"] * (ranks == 2)
-    assert list(result["attention"]) == expected
+def assert_proven(proc, result, attentions, layouts):
+    """Passed; every attention within its tolerance, the ring's rounding seen (it merges
+    in another order), all-to-all's exact (the same kernel on the same numbers); every
+    layout's loss, gradients and weights within chapter 01's tolerance, and not equal."""
+    assert proc.returncode == 0 and result["passed"] and result["failures"] == [], proc.stderr[-3000:]
+    assert "OK: on" in proc.stdout
+    assert list(result["attention"]) == attentions
     for name, r in result["attention"].items():
         assert all(v <= 1 for v in r.values()), (name, r)
         assert (max(r.values()) > 0) == name.startswith("ring"), (name, r)
+    assert list(result["training"]) == layouts
+    for name, r in result["training"].items():
+        assert all(v <= 1 for v in r.values()) and r["weights"] > 0, (name, r)
+
+
+ATTENTIONS = ["ring, balanced", "ring, contiguous", "all-to-all, balanced", "all-to-all, contiguous"]
+
+
+def test_on_2_ranks_attention_and_training_steps_equal_one_process(tmp_path):
+    proc, result = prove(tmp_path, 2)
+    assert_proven(proc, result, ATTENTIONS, ["cp2", "cp2-all-to-all"])
+
+
+def test_on_3_ranks_the_ring_equals_one_process(tmp_path):
+    """cp 3 does not divide the tiny preset's 4 heads: the ring alone."""
+    proc, result = prove(tmp_path, 3)
+    assert_proven(proc, result, ATTENTIONS[:2], ["cp3"])
+
+
+@pytest.mark.long
+def test_on_4_ranks_cp_beside_tp_fsdp_and_a_pipeline(tmp_path):
+    """With 4 KV heads (one per query head) all-to-all fits cp 2 x tp 2 too."""
+    proc, result = prove(tmp_path, 4, "--kv-heads", 4)
+    assert_proven(proc, result, ATTENTIONS, ["cp2xtp2", "cp2xtp2-all-to-all", "dp2xcp2", "pp2xcp2"])
 
 
 MUTANTS = {
     # the partial outputs added as they are, without exp(lse - joint lse)
     "no log-sum-exp rescale": (
+        "context_parallel.py", "attention",
         "    out = out * torch.exp(lse - new_lse).unsqueeze(-1) + block_out * torch.exp(block_lse - new_lse).unsqueeze(-1)",
         "    out = out + block_out"),
     # each rank's block rule applied to the block one hop behind: the diagonal's causal
     # mask lands on the previous rank's keys, and the own keys get an off-diagonal rule
-    "causal mask off by a block": ("        if source == rank:\n", "        if source == (rank - 1) % self.cp:\n"),
+    "causal mask off by a block": (
+        "context_parallel.py", "attention", "        if source == rank:\n", "        if source == (rank - 1) % self.cp:\n"),
+    # the cp ranks' gradients averaged, as data parallelism's are, not summed
+    "cp gradients averaged": (
+        "context_parallel.py", "training", "    dist.all_reduce(flat, group=group)\n",
+        "    dist.all_reduce(flat, group=group)\n    flat /= dist.get_world_size(group)\n"),
+    # RoPE at the shard's own positions 0, 1, ... instead of the whole sequence's
+    "rotary at the shard's positions": (
+        "context_parallel.py", "training", "    positions = shard_positions(split, group).to(model.rotary.cos.device)\n",
+        "    positions = torch.arange(split.seq_len // split.cp).to(model.rotary.cos.device)\n"),
+    # every cp rank's copy of the gradients counted in the norm that clipping divides by
+    "norm counted on every cp rank": (
+        "parallelize.py", "training", "    return cp_rank == 0 and (p.dim() > 1 or tp_rank == 0)\n",
+        "    return p.dim() > 1 or tp_rank == 0\n"),
 }
 
 
 @pytest.mark.parametrize("mutant", MUTANTS)
-def test_a_wrong_merge_or_mask_fails_the_proof(tmp_path, mutant):
-    """context_parallel.py with one bug, in a copy of the chapter's folder: the ring's
-    proof fails on 2 ranks, by far more than the tolerance."""
+def test_each_named_bug_fails_the_proof(tmp_path, mutant):
+    """The chapter with one bug, in a copy of its folder: the proof that targets it
+    (the ring's attention, or a cp 2 training step) fails on 2 ranks at its first
+    step, far beyond the tolerance, with its FAILED line."""
     copy = tmp_path / "chapter"
     shutil.copytree(REPO / FOLDER, copy, ignore=shutil.ignore_patterns("__pycache__", "*.md"))
-    source = copy / "context_parallel.py"
-    text, (old, new) = source.read_text(), MUTANTS[mutant]
+    file, part, old, new = MUTANTS[mutant]
+    text = (copy / file).read_text()
     assert text.count(old) == 1, mutant
-    source.write_text(text.replace(old, new))
-    proc, result = prove(tmp_path, 2, folder=copy, check=False)
+    (copy / file).write_text(text.replace(old, new))
+    flags = ["--parts", part] + (["--layouts", "cp2", "--proof-steps", 1] if part == "training" else [])
+    proc, result = prove(tmp_path, 2, *flags, folder=copy, check=False)
     assert proc.returncode == 1 and not result["passed"], proc.stderr[-3000:]
-    ring = {k: v for k, v in result["attention"].items() if k.startswith("ring")}
-    assert all(max(r.values()) > 1e6 for r in ring.values()), ring
-    assert "FAILED: ring, balanced: output differs from one process's" in proc.stderr
+    if part == "attention":
+        ring = {k: v for k, v in result["attention"].items() if k.startswith("ring")}
+        assert all(max(r.values()) > 1e6 for r in ring.values()), ring
+        assert "FAILED: ring, balanced: output differs from one process's" in proc.stderr
+    else:
+        assert max(result["training"]["cp2"].values()) > 1e3, result["training"]
+        assert "FAILED: cp2: step 1: " in proc.stderr, proc.stderr[-2000:]
+
+
+# --------------------------------------------------------------- the training script
+
+@pytest.mark.parametrize("ranks, flags", [(2, ["--cp", 2]), (4, ["--cp", 2, "--tp", 2])])
+def test_the_script_logs_chapter_01s_losses(ch01_smoke, tmp_path, ranks, flags):
+    """torchrun --cp 2 on 2 ranks, and --cp 2 --tp 2 on 4 (dp 1: the global batch is
+    chapter 01's), 3 steps against the first 3 of chapter 01's reference run with the
+    same flags (its learning rates are warmup's up to then, whatever --max-steps says):
+    the losses within 1e-5 relative, chapter 03's tolerance for DDP in fp32, the first
+    to fp32's rounding; validation and the sample ran on every rank."""
+    _, _, ref, _ = ch01_smoke
+    proc = run_warm(torchrun_cmd(ranks, SCRIPT, *TINY, *flags, "--max-steps", 3, "--save-dir", tmp_path,
+                                 "--experiment-name", "cp"), env=NO_GPU)
+    got = read_jsonl(tmp_path / "cp" / "metrics.jsonl")
+    assert [r["step"] for r in got] == [1, 2, 3]
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref[:3]], rel=1e-5, abs=0)
+    assert got[0]["loss"] == pytest.approx(ref[0]["loss"], rel=3e-7, abs=0)
+    summary = read_json(tmp_path / "cp" / "summary.json")
+    assert (summary["world_size"], summary["dp"], summary["cp"]) == (ranks, 1, 2)
+    assert "validation loss " in proc.stdout and "sample:" in proc.stdout, proc.stdout[-3000:]
+
+
+# ------------------------------------------------------------------ measured
+
+def test_work_activations_and_bytes_per_rank_are_the_planners(tmp_path):
+    """measure.py on 4 ranks (tiny, sequences of 32 and 64): the balanced split gives
+    every rank the same attended pairs and the same counted FLOPs, the contiguous one
+    2 cp - 1 and cp times the first rank's at most; every rank's activations at cp 1,
+    2 and 4, and the bytes each variant moves, are the planner's to the byte."""
+    run_warm(torchrun_cmd(4, f"{FOLDER}/measure.py", "--model-preset", "tiny", "--seq-lengths", "32,64",
+                          "--save-dir", tmp_path, "--experiment-name", "m"), timeout=600)
+    result = read_json(tmp_path / "m" / "measure.json")
+    work = {w["split"]: w["ranks"] for w in result["work"]}
+    assert len({(r["pairs"], r["flops"]) for r in work["balanced"]}) == 1
+    pairs, flops = [r["pairs"] for r in work["contiguous"]], [r["flops"] for r in work["contiguous"]]
+    assert pairs == sorted(pairs) and 5 < pairs[-1] / pairs[0] < 7 and flops[-1] / flops[0] == 4
+    assert sum(r["flops"] for r in work["contiguous"]) == sum(r["flops"] for r in work["balanced"])
+    config, fp32 = get_config("tiny", 512), PRECISIONS["fp32"]
+    rows = {(a["cp"], a["seq"], a["variant"]) for a in result["activations"]}
+    assert rows == {(cp, seq, v) for cp in (1, 2, 4) for seq in (32, 64)
+                    for v in (("ring",) + ("all-to-all",) * (cp == 2))}
+    for a in result["activations"]:
+        planned = cp_activation_bytes(config, 1, a["seq"], fp32, a["cp"], a["variant"], cpu=True)
+        assert a["measured_min"] == a["measured_max"] == a["planned"] == planned, a
+    for t in result["bytes"]:
+        planned = cp_traffic_bytes(config, t["seq"] // t["cp"], fp32, t["cp"], t["variant"])
+        assert all({k: v for k, v in r.items() if v} == planned for r in t["ranks"]), t
+    assert [(t["cp"], t["variant"]) for t in result["bytes"]] == [(2, "ring"), (2, "all-to-all"), (4, "ring")]
+    table = (tmp_path / "m" / "tables.md").read_text()
+    assert table.count("| the same |") == len(result["activations"]) + len(result["bytes"])
+
+
+# ------------------------------------------------------------------ a lost rank
+
+@pytest.mark.launch
+def test_a_lost_rank_ends_the_other_with_one_line_within_the_timeout(tmp_path):
+    """Two machines, one cp rank each (two processes that meet at MASTER_ADDR, as the
+    workers of two torchruns do). The machine of cp rank 1 dies whole (SIGKILL) mid-
+    run: rank 0, waiting in the ring's send and receive, stops within --timeout with one
+    line naming the cause, and no traceback."""
+    port, timeout = free_port(), 20
+    logs = [tmp_path / f"node{i}.log" for i in range(2)]
+    nodes = [start(python_cmd(SCRIPT, *TINY, "--cp", 2, "--max-steps", 100000, "--timeout", timeout,
+                              "--ckpt-freq", 0, "--save-dir", tmp_path, "--experiment-name", "lost"), log,
+                   env={"RANK": str(i), "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **NO_GPU})
+             for i, log in enumerate(logs)]
+    try:
+        deadline = time.monotonic() + 240
+        while "step 3/" not in logs[0].read_text():  # training runs (rank 0 logs)
+            assert time.monotonic() < deadline and all(n.poll() is None for n in nodes), \
+                "\n".join(log.read_text()[-3000:] for log in logs)
+            time.sleep(0.2)
+        kill_job(nodes[1].pid)  # the whole machine of cp rank 1
+        lost_at = time.monotonic()
+        assert nodes[0].wait(timeout=timeout + 60) != 0, logs[0].read_text()[-3000:]
+        took = time.monotonic() - lost_at
+    finally:
+        for node in nodes:
+            kill_job(node.pid)
+    out = logs[0].read_text()
+    errors = [line for line in out.splitlines() if line.startswith("error: rank 0: a peer ")]
+    assert len(errors) == 1 and "Traceback" not in out, out[-3000:]
+    assert took < timeout + 10, took  # at most the timeout (a closed connection: at once)
+
+
+# ------------------------------------------------------------------ torch's API, on GPUs
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_torchs_context_parallel_equals_the_ring_on_gpus(tmp_path, gpus):
+    """torch's context_parallel (its memory-efficient kernel, fp32, head-and-tail load
+    balancing) against this chapter's ring on the same shards, output and gradients:
+    nccl, one rank per GPU (one GPU: cp 1, where the ring is one causal block)."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} CUDA GPU(s)")
+    proc, result = prove(tmp_path, gpus, "--parts", "torch", "--seq-length", 256, "--model-preset", "small")
+    assert result["passed"], proc.stderr[-3000:]
+    (row,) = result["attention"].values()
+    assert all(v <= 1 for v in row.values()), row
