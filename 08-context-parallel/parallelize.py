@@ -43,25 +43,29 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
+import common.layout
 import sequence_parallel
 from common.model import LlamaForCausalLM, RotaryEmbedding, init_parameter
 from pipeline_parallel import StageModule, split_layers, stages_of_rank
 
 
 @dataclass(frozen=True)
-class Layout:
-    """How the world is cut: dp x pp x cp x tp ranks (tp innermost), v stages per pipeline
-    rank, sequence parallelism on the tp ranks or not, and whose tensor-parallel layers
-    (torch's DTensor ones, or sequence_parallel.py's from-scratch ones); the cp ranks
-    split each sequence, their attention `cp_attention` (context_parallel.py)."""
-    dp: int = 1
-    pp: int = 1
-    tp: int = 1
+class Layout(common.layout.Layout):
+    """Chapter 06's layout (dp x pp x tp ranks, tp innermost; the micro-batches, the
+    schedule, whose layers), with `virtual` stages per pipeline rank and sequence
+    parallelism on the tp ranks or not. The dp ranks shard with FSDP. `api`: torch's
+    DTensor layers (what the training script runs) or sequence_parallel.py's. `cp`
+    ranks between pp and tp split each sequence, their attention `cp_attention`
+    (context_parallel.py): world = dp x pp x cp x tp."""
+    api: str = "torch"
     virtual: int = 1
     sequence_parallel: bool = True
-    api: str = "torch"
     cp: int = 1
     cp_attention: str = "ring"
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.pp * self.cp * self.tp
 
     @property
     def sequence_shards(self) -> int:
