@@ -122,7 +122,7 @@ def test_the_proof_that_targets_a_bug_fails(mutant, tmp_path):
     if script.endswith("prove.py"):  # the bug lands far above the tolerance, or is a NaN: nothing near it
         result = read_json(tmp_path / "mutant" / "prove.json")
         worst = max(max(r[k] for k in ("loss", "grads", "clipped", "weights")) for r in result["layouts"].values())
-        assert "not finite" in failed[0] or "GPipe" in failed[0] or worst > 100, result
+        assert "not finite" in failed[0] or "GPipe" in failed[0] or worst > 1e4, result
 
 
 # chapter 06's pipeline: the order of its sends and receives, and what it keeps
