@@ -6,7 +6,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from conftest import run_warm, torchrun_cmd
+import torch
+
+from conftest import NO_GPU, TINY, made_once, python_cmd, read_jsonl, run_warm, torchrun_cmd
+
+# Chapter 06 against chapter 01 with what the other tests leave out: padded samples (a
+# mask through the pipeline, a token count all-reduced over dp), gradient accumulation,
+# activation checkpointing. 4 ranks as dp 2 x pp 2 (each replica a batch of 2, each of
+# its 2 micro-batches one sample), against chapter 01's batch of 4: the same global batch.
+SCENARIO = [*TINY, "--padded", "--grad-accum", "2", "--activation-checkpointing", "--max-steps", "3"]
+CH06_SCENARIO = ["--batch-size", "2", "--pp", "2"]
 
 
 def record_p2p(chapter: Path, out: Path) -> list[dict]:
@@ -57,3 +66,40 @@ def kept_off_plan(measured: dict) -> list[str]:
     tensor go as soon as its backward and its send are done."""
     return [f"{r['schedule']} m={r['m']}: kept {r['kept_bytes_per_stage']}, planned {r['kept_bytes_planned']}"
             for r in measured["pipeline"] if r["kept_bytes_per_stage"] != r["kept_bytes_planned"]]
+
+
+def chapter_01_scenario(tmp_path_factory) -> Path:
+    """Chapter 01's run of SCENARIO (made once for the whole test session): its folder."""
+    def train(out):
+        run_warm(python_cmd("01-single-gpu/train_llm.py", *SCENARIO, "--save-dir", out, "--experiment-name", "ch01"),
+                 env=NO_GPU)
+        return str(out / "ch01")
+    return Path(made_once(tmp_path_factory, "ch06-scenario-ch01", train))
+
+
+def chapter_06_scenario(chapter: Path, out: Path) -> Path:
+    """Chapter 06's run of SCENARIO (the script in `chapter`: the real folder or a copy
+    with a bug in it): its folder."""
+    run_warm(torchrun_cmd(4, chapter / "train_llm.py", *SCENARIO, *CH06_SCENARIO, "--save-dir", out,
+                          "--experiment-name", "ch06"), env=NO_GPU)
+    return out / "ch06"
+
+
+def unlike_chapter_01(ch06: Path, ch01: Path) -> list[str]:
+    """Where chapter 06's run differs from chapter 01's: each step's loss beyond fp32's
+    rounding of a reordered sum (1e-5 relative, chapter 03's tolerance for DDP), its
+    gradient norm beyond 1e-3 (chapter 01's is an fp32 sum over the 0.5M-element head
+    gradient, this chapter's an fp64 one), a saved weight beyond chapter 03's bounds."""
+    got, ref = read_jsonl(ch06 / "metrics.jsonl"), read_jsonl(ch01 / "metrics.jsonl")
+    off = [] if [r["step"] for r in got] == [r["step"] for r in ref] else ["the steps differ"]
+    for a, b in zip(got, ref):
+        if not abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]):
+            off.append(f"step {b['step']}: loss {a['loss']} against {b['loss']}")
+        if not abs(a["grad_norm"] - b["grad_norm"]) <= 1e-3 * abs(b["grad_norm"]):
+            off.append(f"step {b['step']}: gradient norm {a['grad_norm']} against {b['grad_norm']}")
+    mine, theirs = (torch.load(d / "model.pt", weights_only=True) for d in (ch06, ch01))
+    for k in theirs:
+        if not (k in mine and ((mine[k] - theirs[k]).norm() / theirs[k].norm()).item() <= 5e-5
+                and (mine[k] - theirs[k]).abs().max().item() <= 2e-4):
+            off.append(f"weight {k}")
+    return off

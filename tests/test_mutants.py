@@ -3,7 +3,8 @@ copy of the chapter's scripts (the real files are never touched); the copy's pro
 as the page runs it, its ranks started warm, on the tiny preset for one step (two where
 the bug can only show in the second); it must exit 1 with one FAILED line that says what
 differs, at the step where the bug first acts. Two more bugs target the checks of chapter 06's
-pipeline: its order of sends and receives, and what it keeps. tests/README.md lists
+pipeline (its order of sends and receives, and what it keeps), and one the comparison
+of chapter 06's training with chapter 01's. tests/README.md lists
 which proof catches which bug. Each bug's text must be found once in the current code, so a change to the
 code cannot leave a mutant silently unapplied."""
 
@@ -15,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from ch06_runs import completes, kept_off_plan, record_p2p
+from ch06_runs import (chapter_01_scenario, chapter_06_scenario, completes, kept_off_plan, record_p2p,
+                       unlike_chapter_01)
 from conftest import REPO, read_json, run_warm, torchrun_cmd
 
 
@@ -159,3 +161,18 @@ def test_sent_tensors_kept_to_the_end_of_the_step_fail_the_memory_check(tmp_path
     run_warm(torchrun_cmd(2, copy / script, *args, "--save-dir", tmp_path, "--experiment-name", "m"), timeout=300)
     off = kept_off_plan(read_json(tmp_path / "m" / "measure.json"))
     assert any(line.startswith("1f1b m=4") for line in off), off
+
+
+SAMPLER = Mutant("one-sampler-rank-for-every-replica", "06-model-parallel/train_llm.py",
+                 "sampler = DistributedSampler(data.train, num_replicas=dp, rank=dp_rank,",
+                 "sampler = DistributedSampler(data.train, num_replicas=dp, rank=0,", 4, (), "")
+
+
+def test_the_same_samples_on_every_replica_fail_the_comparison_with_chapter_01(tmp_path, tmp_path_factory):
+    """Every dp replica reads replica 0's share of the shuffle (the same sampler rank
+    everywhere): chapter 06's run (dp 2 x pp 2, tests/ch06_runs.py) no longer trains on
+    chapter 01's global batch, and its very first loss says so."""
+    copy = inject(SAMPLER, tmp_path / "copy")
+    off = unlike_chapter_01(chapter_06_scenario(copy / "06-model-parallel", tmp_path),
+                            chapter_01_scenario(tmp_path_factory))
+    assert any(line.startswith("step 1: loss") for line in off), off
