@@ -169,7 +169,7 @@ class Pipeline:
         """Micro-batch i's forward (and, on the last stage, its loss, which it returns)."""
         x, y, mask = micro_batch
         received = self.exchange(None if self.first else self.prev_rank, (*x.shape, self.hidden_size))
-        # the previous stage's activations: a leaf whose .grad this stage sends back
+        # The previous stage's activations arrive as a leaf, whose .grad this stage sends back.
         inp = x if self.first else received.requires_grad_()
         with phase("forward"), record_function(f"forward {i}"):
             out = self.module(inp, mask)

@@ -43,6 +43,7 @@ from common.layout import every_layout
 from common.model import PRESETS, LlamaForCausalLM, RMSNorm, get_config, num_parameters
 from common.runfolder import claim_run_folder
 from common.training import build_optimizer
+
 from tensor_parallel import full_weight, local_grad, local_slice, to_local
 from train_llm import all_reduce_gradients, clip_grad_norm, split_model
 
@@ -266,7 +267,7 @@ def main():
 
 def run(args, group):
     run_dir = claim_run_folder(Path(args.save_dir) / args.experiment_name, rank=group.rank)
-    # the global batches of chapter 01 (one process, the whole batch): every rank has them
+    # The global batches of chapter 01 (one process, the whole batch): every rank has them.
     ids = torch.randint(0, args.vocab_size, (args.proof_steps, args.batch_size, args.seq_length + 1),
                         generator=torch.Generator().manual_seed(args.seed)).to(group.device)
     batches = [(b[:, :-1].contiguous(), b[:, 1:].contiguous()) for b in ids]

@@ -37,6 +37,7 @@ from common.model import LlamaForCausalLM, describe, flops_per_token, get_config
 from common.runfolder import claim_run_folder, save_weights
 from common.metrics import Tracker
 from common.training import build_optimizer, evaluate, lr_lambda, sample
+
 from pipeline_parallel import Pipeline, StageModule, TorchPipeline, split_layers, stage_of
 from tensor_parallel import (full_weight, is_tp_sharded, local_grad, parallelize, parallelize_with_torch,
                              torch_cross_entropy, vocab_parallel_cross_entropy)
@@ -200,7 +201,7 @@ def clip_grad_norm(params, max_norm: float, mesh):
     rank's tensors, then over the tensor-parallel slices and the stages. A tensor every
     tp rank holds whole (a norm weight) counts once, on tp rank 0."""
     params = list(params)
-    # in fp64: an fp32 sum of a large gradient's squares drifts (1e-4 for the tiny preset's head)
+    # In fp64: an fp32 sum of a large gradient's squares drifts (1e-4 for the tiny preset's head).
     squares = torch.zeros((), dtype=torch.float64, device=params[0].device)
     for p in params:
         if is_tp_sharded(p) or not mesh or mesh.get_local_rank("tp") == 0:
@@ -261,7 +262,7 @@ def main():
 
     # ---- model, optimizer and schedule ---------------------------------------------
     config = get_config(args.model_preset, data.vocab_size)
-    # the whole model, with chapter 01's weights (same seed), then this rank's part of it
+    # The whole model, with chapter 01's weights (the same seed), then this rank's part of it.
     model = LlamaForCausalLM(config, args.activation_checkpointing).to(device)
     n_params = num_parameters(model)
     log.info("model: %s preset, %.2f M parameters (%s)", args.model_preset, n_params / 1e6,
