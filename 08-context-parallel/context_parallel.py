@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
 
 from common.model import shares_kv_heads
 
@@ -336,15 +337,14 @@ def attend_split(attention, group, split: SequenceSplit, q, k, v, attn_mask=None
     return attention(q, k, v, group, split)
 
 
-@torch.no_grad()
-def sum_gradients(params, group):
-    """The cp ranks hold the same weights, and each has the gradient of its own tokens'
-    loss: the whole sequence's is their sum (one all-reduce of them all, end to end)."""
-    grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-        g.copy_(part.view_as(g))
+def fsdp_mesh(device_type: str, pp: int, dp: int, cp: int, tp: int):
+    """The mesh FSDP shards over: dp x cp ranks. The cp ranks of a replica hold the same
+    weights and each computes the gradient of its own tokens' loss, so to FSDP they are
+    data-parallel ranks like the dp ones: it shards the weights and AdamW's state over
+    all dp x cp of them, and its reduce-scatter sums their gradients. This is the same
+    ranks as the mesh (pp, dp, cp, tp), seen as (pp, dp x cp, tp): its "dp" dimension
+    is dp x cp (dp and cp neighbours in the rank order, so each of its groups is one)."""
+    return init_device_mesh(device_type, (pp, dp * cp, tp), mesh_dim_names=("pp", "dp", "tp"))
 
 
 @contextmanager

@@ -1,5 +1,4 @@
-"""Chapter 07's parallelize.py with context parallelism added (`diff -u` shows it): the
-Layout has a cp dimension, and the gradient norm counts each piece once per cp group.
+"""Chapter 07's parallelize.py with a cp dimension in its Layout (`diff -u` shows it).
 
 The composition: one model cut four ways on one DeviceMesh (dp x pp x tp), built on
 the meta device, each rank materialising only its own pieces, with chapter 01's values.
@@ -55,8 +54,8 @@ class Layout(common.layout.Layout):
     schedule, whose layers), with `virtual` stages per pipeline rank and sequence
     parallelism on the tp ranks or not. The dp ranks shard with FSDP. `api`: torch's
     DTensor layers (what the training script runs) or sequence_parallel.py's. `cp`
-    ranks between pp and tp split each sequence, their attention `cp_attention`
-    (context_parallel.py): world = dp x pp x cp x tp."""
+    ranks between dp and tp split each sequence, their attention `cp_attention`
+    (context_parallel.py): world = pp x dp x cp x tp."""
     api: str = "torch"
     virtual: int = 1
     sequence_parallel: bool = True
@@ -72,7 +71,7 @@ class Layout(common.layout.Layout):
         return self.tp if self.sequence_parallel and self.tp > 1 else 1
 
     def __str__(self) -> str:
-        shape = " x ".join(f"{k} {getattr(self, k)}" for k in ("dp", "pp", "cp", "tp"))
+        shape = " x ".join(f"{k} {getattr(self, k)}" for k in ("pp", "dp", "cp", "tp"))
         extras = [f"{self.virtual} stages per pipeline rank"] * (self.virtual > 1)
         extras += [f"{self.cp_attention} attention"] * (self.cp > 1)
         extras += ["sequence parallel"] * (self.sequence_shards > 1)
@@ -155,23 +154,22 @@ def materialize(stages, config, layout: Layout, seed: int, tp_rank: int) -> None
             local.copy_(local_piece(full, name, target, layout, tp_rank))
 
 
-def counted_once(p, tp_rank: int, cp_rank: int = 0) -> bool:
+def counted_once(p, tp_rank: int) -> bool:
     """Whether this rank's piece of p's gradient counts in the global gradient norm. The
-    cp ranks hold the same pieces: they count on the first cp rank only. The norm
-    weights (the model's only 1-D parameters) are whole on every tp rank: they count on
-    the first tp rank only. Every other piece is held by one rank alone."""
-    return cp_rank == 0 and (p.dim() > 1 or tp_rank == 0)
+    norm weights (the model's only 1-D parameters) are whole on every tp rank: they
+    count on the first tp rank only. Every other piece is held by one rank alone."""
+    return p.dim() > 1 or tp_rank == 0
 
 
 @torch.no_grad()
-def clip_grad_norm(params, max_norm: float, tp_rank: int, cp_rank: int = 0):
+def clip_grad_norm(params, max_norm: float, tp_rank: int):
     """clip_grad_norm_ over the whole model, whose gradients are cut four ways: each
     rank's pieces squared and summed (in fp64), then summed over every rank, each piece
     once. Returns the norm."""
     params = [p for p in params if p.grad is not None]
     squares = torch.zeros((), dtype=torch.float64, device=params[0].device)
     for p in params:
-        if counted_once(p, tp_rank, cp_rank):
+        if counted_once(p, tp_rank):
             g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
             squares += g.double().square().sum()
     dist.all_reduce(squares)  # every rank: the stages, the dp shards, the tp pieces

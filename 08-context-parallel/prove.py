@@ -9,9 +9,9 @@ Two parts, in fp64, every rank making the same random data:
    each rank's output and gradients must equal the one process's at its tokens,
    within TOLERANCE.
 2. training. The layouts of this world size (default: `LAYOUTS`, those that fit),
-   built as train_llm.py builds them (parallelize.py, then context_parallel.py on
-   each stage) and stepped as it steps them (each rank's tokens of the global batch,
-   the cp ranks' gradients summed), against chapter 01's step on the same global
+   built as train_llm.py builds them (parallelize.py, FSDP over the dp x cp ranks,
+   then context_parallel.py on each stage) and stepped as it steps them (each rank's
+   tokens of the global batch), against chapter 01's step on the same global
    batch: the whole model in one process, clipping at 1.0, AdamW. Each step starts
    every layout from the reference's weights and AdamW moments; nothing may be NaN or
    infinite (the first one found stops the proof, named in one line); the loss, each
@@ -314,16 +314,17 @@ class Reference:
 
 class Trainer:
     """One layout's part of the model on this rank, built and trained as train_llm.py
-    builds and trains it: tp (torch's, with sequence parallelism), pp, FSDP over dp,
-    then each stage on this rank's tokens, its attention across the cp ranks."""
+    builds and trains it: pp, tp (torch's, with sequence parallelism), FSDP over the
+    dp x cp ranks, then each stage on this rank's tokens, its attention across the cp
+    ranks."""
 
     def __init__(self, layout: Layout, args, config, device):
         self.layout, self.device = layout, device
-        self.mesh = init_device_mesh(device.type, (layout.dp, layout.pp, layout.cp, layout.tp),
-                                     mesh_dim_names=("dp", "pp", "cp", "tp"))
+        self.mesh = init_device_mesh(device.type, (layout.pp, layout.dp, layout.cp, layout.tp),
+                                     mesh_dim_names=("pp", "dp", "cp", "tp"))
         self.dp_rank, self.tp_rank = self.mesh.get_local_rank("dp"), self.mesh.get_local_rank("tp")
-        self.cp_rank = self.mesh.get_local_rank("cp")
-        stages, ids = build_stages(config, self.mesh, layout, device, torch.float64)
+        stages, ids = build_stages(config, context_parallel.fsdp_mesh(device.type, layout.pp, layout.dp, layout.cp,
+                                                                      layout.tp), layout, device, torch.float64)
         for stage in stages:
             fp64_norms(stage)
         materialize(stages, config, layout, args.seed, self.tp_rank)
@@ -349,15 +350,14 @@ class Trainer:
         of the gradients before and after clipping and of the weights after the step."""
         dp, m, n_tokens = self.layout.dp, self.microbatches, y.numel()
         x, y = (context_parallel.shard(t[self.dp_rank::dp], self.positions) for t in (x, y))  # this rank's tokens
+        ranks = dp * self.layout.cp  # FSDP averages over the dp x cp ranks
         with self.context():
             loss = self.pipeline.step(list(zip(x.chunk(m), y.chunk(m), [None] * m)),
-                                      lambda logits, t: self.loss_fn(logits, t) * dp / n_tokens)
-        loss = loss.detach().double() * (self.tp_rank == 0)  # the replicas' and cp ranks' shares, summed
+                                      lambda logits, t: self.loss_fn(logits, t) * ranks / n_tokens)
+        loss = loss.detach().double() * (self.tp_rank == 0)  # the dp x cp ranks' shares, summed
         dist.all_reduce(loss)
-        if self.layout.cp > 1:
-            context_parallel.sum_gradients(self.part.parameters(), self.mesh.get_group("cp"))
-        out = {"loss": loss / dp, "grads": self.pieces(grad=True)}
-        clip_grad_norm(self.part.parameters(), 1.0, self.tp_rank, self.cp_rank)
+        out = {"loss": loss / ranks, "grads": self.pieces(grad=True)}
+        clip_grad_norm(self.part.parameters(), 1.0, self.tp_rank)
         out["clipped"] = self.pieces(grad=True)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -1,7 +1,7 @@
 """Chapter 08: chapter 07's layout with one more dimension, cp: each sequence split over
 --cp ranks (context parallelism), for sequences whose activations no GPU holds whole.
 
-torchrun starts one process per device, laid out as dp x pp x cp x tp on one DeviceMesh.
+torchrun starts one process per device, laid out as pp x dp x cp x tp on one DeviceMesh.
 Each rank of a cp group takes two of the sequence's 2 x cp chunks, one from the head
 and one from the tail, and runs every layer on its own tokens; attention reads every
 rank's keys and values, passed around a ring or traded for heads (context_parallel.py).
@@ -47,8 +47,7 @@ from common.model import describe, flops_per_token, get_config, num_parameters
 from common.runfolder import archive_run, claim_run_folder
 from common.metrics import Tracker
 from common.training import build_optimizer, lr_lambda, sample
-from context_parallel import (VARIANTS, SequenceSplit, parallelize, shard, shard_positions, sum_gradients,
-                              whole_sequences)
+from context_parallel import VARIANTS, SequenceSplit, fsdp_mesh, parallelize, shard, shard_positions, whole_sequences
 from parallelize import Layout, build_stages, clip_grad_norm, materialize
 from pipeline_parallel import SCHEDULES, Part, Pipeline, PipelineModel, evaluate
 from preemption import StopRequest, data_worker_ignores_stops, holding_sigterm
@@ -62,7 +61,7 @@ def parse_args(argv=None):
                          "(context parallelism), launched with torchrun.", distributed=True, resumes=True)
     parser.add_argument("--grad-accum", type=positive_int, default=1,
                         help="batches per optimizer step (a larger batch in less memory)")
-    g = parser.add_argument_group("the layout (the world size is dp x pp x cp x tp; the dp ranks shard with FSDP)")
+    g = parser.add_argument_group("the layout (the world size is pp x dp x cp x tp; FSDP shards over dp x cp)")
     g.add_argument("--tp", type=positive_int, default=1,
                    help="tensor-parallel ranks: each matmul split over them (heads, MLP features, vocabulary)")
     g.add_argument("--pp", type=positive_int, default=1, help="pipeline ranks: the decoder layers split over them")
@@ -92,14 +91,14 @@ def parse_args(argv=None):
 
 
 def layout_of(args) -> Layout:
-    """The run's dp x pp x cp x tp layout, from its flags and the world size torchrun
+    """The run's pp x dp x cp x tp layout, from its flags and the world size torchrun
     gives, with --virtual-stages stages per pipeline rank and sequence parallelism.
     Raises UsageError where the split does not fit the model, the world or the batch."""
     schedule = args.schedule or ("interleaved" if args.virtual_stages > 1 else "1f1b")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world % (args.tp * args.pp * args.cp):
         raise UsageError(f"the world size {world} is not a multiple of --tp {args.tp} x --pp {args.pp} x --cp "
-                         f"{args.cp}: FSDP takes world / (tp x pp x cp) data-parallel ranks")
+                         f"{args.cp}: data parallelism takes world / (tp x pp x cp) replicas")
     # each cp rank's share of the world is laid out as chapter 07 lays out the whole
     layout = layout_for(world // args.cp, get_config(args.model_preset, args.vocab_size),
                         args.batch_size, tp=args.tp, pp=args.pp, microbatches=args.microbatches,
@@ -216,7 +215,9 @@ def split_model(config, mesh, layout: Layout, args, autocast, device) -> Split:
     the pipeline's stages, then tp with sequence parallelism, activation checkpointing,
     FSDP), then given chapter 01's initial weights piece by piece; with the pipeline
     that runs its stages and the loss of a micro-batch's logits."""
-    stages, stage_ids = build_stages(config, mesh, layout, device, autocast=autocast,
+    # FSDP shards over the dp x cp ranks: to the weights, the cp ranks are data-parallel
+    stages, stage_ids = build_stages(config, fsdp_mesh(device.type, layout.pp, layout.dp, layout.cp, layout.tp),
+                                     layout, device, autocast=autocast,
                                      activation_checkpointing=args.activation_checkpointing)
     materialize(stages, config, layout, args.seed, mesh.get_local_rank("tp"))
     if layout.cp > 1:  # each stage on this rank's tokens, its attention across the cp ranks
@@ -262,17 +263,17 @@ def main():
     log.info("arguments: %s", json.dumps(vars(args)))
     log.info("rank %d of %d, device %s, backend %s, dtype %s, seed %d", rank, world_size,
              device, dist.get_backend(), dtype, args.seed)
-    # The layout: rank = ((dp_rank x pp + stage) x cp + cp_rank) x tp + tp_rank. tp and cp
-    # innermost: their ranks talk in every layer (one machine on a cluster); the stages of
-    # a pipeline are cp x tp ranks apart; the dp replicas furthest.
+    # The layout: rank = ((stage x dp + dp_rank) x cp + cp_rank) x tp + tp_rank. tp and cp
+    # innermost: their ranks talk in every layer (one machine on a cluster); dp beside cp
+    # (FSDP shards over both); the stages of a pipeline furthest apart.
     layout = layout_of(args)
     dp = layout.dp
-    mesh = init_device_mesh(device.type, (dp, layout.pp, layout.cp, layout.tp),
-                            mesh_dim_names=("dp", "pp", "cp", "tp"))
-    dp_rank, cp_rank, tp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("cp"), mesh.get_local_rank("tp")
+    mesh = init_device_mesh(device.type, (layout.pp, dp, layout.cp, layout.tp),
+                            mesh_dim_names=("pp", "dp", "cp", "tp"))
+    dp_rank, tp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
+    log.info("layout: %s; %s schedule, %d micro-batches", layout, layout.schedule, layout.microbatches)
     # this rank's positions in every sequence (the cp ranks of a replica read the same batches)
     positions = shard_positions(SequenceSplit(args.seq_length, layout.cp), mesh.get_group("cp"))
-    log.info("layout: %s; %s schedule, %d micro-batches", layout, layout.schedule, layout.microbatches)
 
     # ---- data ----------------------------------------------------------------------
     data, sampler, loader, val_loader = load_data(args, device, dp_rank, dp)
@@ -338,9 +339,9 @@ def main():
                                 for x, y in (next(batches) for _ in range(args.grad_accum))]
                 # The loss is the mean over the step's target tokens. Packed, every target
                 # is a token: a known count. Padded, counted on the device (no host wait),
-                # and summed over the dp replicas there: FSDP averages their gradients, so
-                # each replica's loss is x dp / the global batch's token count. A cp rank's
-                # loss is the sum over its own tokens / that same count.
+                # and summed over the dp replicas there: FSDP averages the gradients of the
+                # dp x cp ranks, so each rank's loss (its own tokens') is x dp x cp / the
+                # global batch's token count.
                 n_tokens = global_batch * args.seq_length
                 if args.padded:
                     n_tokens = sum((y != IGNORE_INDEX).sum() for _, y in step_batches)
@@ -359,13 +360,11 @@ def main():
                 # neither). FSDP gathers each layer's weights around them, and reduce-
                 # scatters the gradients over the dp ranks after the last backward.
                 with step_context():
-                    loss = pipeline.step(micro_batches, lambda out, t: loss_fn(out, t) * dp / n_tokens,
+                    loss = pipeline.step(micro_batches, lambda out, t: loss_fn(out, t) * dp * layout.cp / n_tokens,
                                          tracker.phase)
                 loss_sum += loss.detach()  # stays on the device: no host sync per step
             with tracker.phase("update"):
-                if layout.cp > 1:  # the cp ranks' gradients, each of its own tokens, summed
-                    sum_gradients(part.parameters(), mesh.get_group("cp"))
-                grad_norm = clip_grad_norm(part.parameters(), 1.0, tp_rank, cp_rank)  # the whole model's norm
+                grad_norm = clip_grad_norm(part.parameters(), 1.0, tp_rank)  # the whole model's norm
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 scheduler.step()
@@ -373,12 +372,11 @@ def main():
             tracker.end_step(n_tokens)  # real tokens: padding left out
             if step % args.log_freq == 0 or step == total_steps:
                 # The mean over the whole global batch: the last stage's loss (its tp ranks
-                # hold the same value: one counts) summed over the replicas (each x dp) and
-                # the cp ranks (each its tokens' share), / dp.
+                # hold the same value: one counts) summed over the dp x cp ranks (each x dp x cp).
                 # Every rank joins this all-reduce, on the same steps; .item() waits for it.
                 loss = loss_sum.double() * (tp_rank == 0)
                 dist.all_reduce(loss)
-                loss = loss.item() / dp
+                loss = loss.item() / (dp * layout.cp)
                 tracker.log(step, epoch=epoch, loss=loss, lr=scheduler.get_last_lr()[0],
                             grad_norm=grad_norm.item())
             stopped = stop.agreed(last_step=step == total_steps)  # all ranks vote: all stop together

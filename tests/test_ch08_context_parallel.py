@@ -2,9 +2,9 @@
 from the head and one from the tail) and their attention blocks; ring attention and the
 all-to-all variant equal one process's attention in fp64, output and gradients, and
 whole training steps equal chapter 01's (cp 2 and 3, beside tp, dp and pp); a merge
-without the log-sum-exp rescale, a causal mask off by a block, and three bugs of the
-training step (the cp gradients averaged, RoPE at the shard's own positions, the norm
-counted on every cp rank) fail that proof;
+without the log-sum-exp rescale, a causal mask off by a block, all-to-all's tokens out
+of order, RoPE at the shard's own positions and the cp ranks left out of FSDP's
+gradient sum each fail that proof;
 the training script logs chapter 01's losses with --cp 2 and with --cp 2 --tp 2; the
 work, activations and bytes per rank are counted against the planner; a bad layout is
 one line and exit 2; a lost rank ends the other within --timeout."""
@@ -165,26 +165,28 @@ MUTANTS = {
     # mask lands on the previous rank's keys, and the own keys get an off-diagonal rule
     "causal mask off by a block": (
         "context_parallel.py", "attention", "        if source == rank:\n", "        if source == (rank - 1) % self.cp:\n"),
-    # the cp ranks' gradients averaged, as data parallelism's are, not summed
-    "cp gradients averaged": (
-        "context_parallel.py", "training", "    dist.all_reduce(flat, group=group)\n",
-        "    dist.all_reduce(flat, group=group)\n    flat /= dist.get_world_size(group)\n"),
+    # all-to-all's gathered tokens left in rank order: the causal mask reads them as the sequence
+    "all-to-all out of order": (
+        "context_parallel.py", "attention",
+        "    q, k, v = (AllToAll.apply(t, group, 1, 2).index_select(2, in_order) for t in (q, k, v))\n",
+        "    q, k, v = (AllToAll.apply(t, group, 1, 2) for t in (q, k, v))\n"),
     # RoPE at the shard's own positions 0, 1, ... instead of the whole sequence's
     "rotary at the shard's positions": (
         "context_parallel.py", "training", "    positions = shard_positions(split, group).to(model.rotary.cos.device)\n",
         "    positions = torch.arange(split.seq_len // split.cp).to(model.rotary.cos.device)\n"),
-    # every cp rank's copy of the gradients counted in the norm that clipping divides by
-    "norm counted on every cp rank": (
-        "parallelize.py", "training", "    return cp_rank == 0 and (p.dim() > 1 or tp_rank == 0)\n",
-        "    return p.dim() > 1 or tp_rank == 0\n"),
+    # FSDP over the dp ranks only: the cp ranks' gradients, each of its own tokens, never summed
+    "cp ranks left out of FSDP": (
+        "context_parallel.py", "training",
+        '    return init_device_mesh(device_type, (pp, dp * cp, tp), mesh_dim_names=("pp", "dp", "tp"))\n',
+        '    return init_device_mesh(device_type, (pp, dp, cp, tp), mesh_dim_names=("pp", "dp", "cp", "tp"))\n'),
 }
 
 
 @pytest.mark.parametrize("mutant", MUTANTS)
 def test_each_named_bug_fails_the_proof(tmp_path, mutant):
     """The chapter with one bug, in a copy of its folder: the proof that targets it
-    (the ring's attention, or a cp 2 training step) fails on 2 ranks at its first
-    step, far beyond the tolerance, with its FAILED line."""
+    (the attention, or a cp 2 training step) fails on 2 ranks at its first step, far
+    beyond the tolerance, with its FAILED line."""
     copy = tmp_path / "chapter"
     shutil.copytree(REPO / FOLDER, copy, ignore=shutil.ignore_patterns("__pycache__", "*.md"))
     file, part, old, new = MUTANTS[mutant]
@@ -195,9 +197,12 @@ def test_each_named_bug_fails_the_proof(tmp_path, mutant):
     proc, result = prove(tmp_path, 2, *flags, folder=copy, check=False)
     assert proc.returncode == 1 and not result["passed"], proc.stderr[-3000:]
     if part == "attention":
-        ring = {k: v for k, v in result["attention"].items() if k.startswith("ring")}
-        assert all(max(r.values()) > 1e6 for r in ring.values()), ring
-        assert "FAILED: ring, balanced: output differs from one process's" in proc.stderr
+        # (all-to-all's contiguous split gathers the tokens in sequence order already)
+        variant = "all-to-all" if "all-to-all" in mutant else "ring"
+        wrong = {k: v for k, v in result["attention"].items() if k.startswith(variant)}
+        assert max(wrong[f"{variant}, balanced"].values()) > 1e6, wrong
+        assert variant == "all-to-all" or max(wrong["ring, contiguous"].values()) > 1e6, wrong
+        assert f"FAILED: {variant}, balanced: output differs from one process's" in proc.stderr
     else:
         assert max(result["training"]["cp2"].values()) > 1e3, result["training"]
         assert "FAILED: cp2: step 1: " in proc.stderr, proc.stderr[-2000:]
