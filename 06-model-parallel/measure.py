@@ -447,14 +447,20 @@ def tables(results, memory, tp_bytes) -> str:
     return "\n".join(out)
 
 
+def timeline_count(counts) -> int:
+    """The micro-batch count the timeline shows: the largest measured up to 4 (a timeline
+    that still reads), else the smallest measured."""
+    counts = sorted(map(int, counts))
+    return max([n for n in counts if n <= 4], default=counts[0])
+
+
 def report(args, group, config, results, memory, tp_bytes, run_dir):
     text = tables(results, memory, tp_bytes)
     print(f"\nvocabulary {args.vocab_size}, micro-batches of {args.microbatch_size} x {args.seq_length} tokens\n\n"
           + text, flush=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "tables.md").write_text(text + "\n")  # what the tour's report shows
-    counts = sorted(map(int, args.microbatches))
-    m = max([n for n in counts if n <= 4], default=counts[0])  # a timeline that still reads
+    m = timeline_count(args.microbatches)
     plot_timeline(results, run_dir / "pipeline-timeline.png", m)
     (run_dir / "measure.json").write_text(json.dumps(
         {"world_size": group.world, "args": vars(args), "model_config": config.to_dict(), "pipeline": results,
