@@ -5,16 +5,17 @@ torchrun starts one process per device, laid out as pp x dp x cp x tp on one Dev
 Each rank of a cp group takes two of the sequence's 2 x cp chunks, one from the head
 and one from the tail, and runs every layer on its own tokens; attention reads every
 rank's keys and values, passed around a ring or traded for heads (context_parallel.py).
-As in chapter 07, each matmul is split over --tp ranks, the residual stream between them over the
-sequence (sequence_parallel.py), the decoder layers over --pp pipeline ranks of
---virtual-stages stages each (pipeline_parallel.py), and every weight, gradient and
-AdamW moment over the dp ranks with FSDP (parallelize.py, which builds the model on
-the meta device: no rank ever holds it whole). Every --ckpt-freq steps, at the end,
-and on Ctrl-C or SIGTERM, each rank saves its pieces (checkpoint.py); the same command
-resumes from the newest checkpoint in whatever layout it now runs.
+The rest is chapter 07's: each matmul is split over --tp ranks, the residual stream
+between them over the sequence (sequence_parallel.py), the decoder layers over --pp
+pipeline ranks of --virtual-stages stages each (pipeline_parallel.py), and every
+weight, gradient and AdamW moment over the dp x cp ranks with FSDP (parallelize.py,
+which builds the model on the meta device: no rank ever holds it whole). Every
+--ckpt-freq steps, at the end, and on Ctrl-C or SIGTERM, each rank saves its pieces
+(checkpoint.py); the same command resumes from the newest checkpoint in whatever
+layout it now runs, --cp included.
 
     torchrun --standalone --nproc-per-node=2 08-context-parallel/train_llm.py --cp 2   # CPU: gloo
-    torchrun --standalone --nproc-per-node=8 08-context-parallel/train_llm.py --model-preset medium --cp 4 --tp 2  # 8 GPUs
+    torchrun --standalone --nproc-per-node=8 08-context-parallel/train_llm.py --model-preset medium --cp 8  # 8 GPUs
 """
 
 import argparse
@@ -358,7 +359,7 @@ def main():
                 # The pipeline runs the forward and backward of each micro-batch, in its
                 # schedule's order; the tracker times each (waiting for a neighbour is
                 # neither). FSDP gathers each layer's weights around them, and reduce-
-                # scatters the gradients over the dp ranks after the last backward.
+                # scatters the gradients over the dp x cp ranks after the last backward.
                 with step_context():
                     loss = pipeline.step(micro_batches, lambda out, t: loss_fn(out, t) * dp * layout.cp / n_tokens,
                                          tracker.phase)
