@@ -10,6 +10,7 @@ import signal
 import sys
 import time
 import traceback
+import warnings
 from contextlib import contextmanager, suppress
 
 import torch
@@ -99,7 +100,50 @@ def explain_peer_failures(resumes: bool = False):
                     + (" the same command: it resumes from the last checkpoint" if resumes else ""))
         say_error(f"error: rank {os.environ['RANK']}: {what} ({first}){hint}")
         sys.stdout.flush()
+        stop_the_launcher_if_it_hangs()
         os._exit(1)  # no atexit teardown: it would talk to the peer that is gone
+
+
+# torchrun notices a worker's exit within a fraction of a second, unless its own question to
+# the rendezvous is stuck on the connection to a machine that is gone: TCP then retries for
+# about 15 minutes (Linux's default) before it gives up, and no signal but SIGKILL ends it.
+LAUNCHER_STUCK_S = 10.0
+
+
+def stop_the_launcher_if_it_hangs() -> None:
+    """Under torchrun, as this worker exits on a lost peer: a watcher process stays behind.
+    If torchrun has not noticed the exit (the worker still unreaped) LAUNCHER_STUCK_S
+    later, it is stuck on the lost machine's rendezvous: the watcher kills it, with one
+    line, so that every process of the job ends. Linux only (it reads /proc)."""
+    launcher, worker = os.getppid(), os.getpid()
+    if "LOCAL_RANK" not in os.environ or launcher == 1 or not os.path.isdir(f"/proc/{worker}"):
+        return
+    with warnings.catch_warnings():  # Python 3.12+ warns about fork with threads; the child uses none
+        warnings.simplefilter("ignore", DeprecationWarning)
+        if os.fork() != 0:
+            return
+    try:  # the watcher: the worker's handlers and files are not its own
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)
+        os.closerange(3, 1 << 16)
+        unreaped_since = None
+        while True:
+            time.sleep(0.2)
+            try:
+                with open(f"/proc/{worker}/stat") as f:
+                    exited = f.read().rsplit(")", 1)[1].split()[0] == "Z"
+            except OSError:
+                os._exit(0)  # reaped: torchrun is at work
+            unreaped_since = (unreaped_since or time.monotonic()) if exited else None
+            if unreaped_since and time.monotonic() - unreaped_since > LAUNCHER_STUCK_S:
+                break
+        os.kill(launcher, signal.SIGKILL)
+        os.write(2, (f"error: torchrun (pid {launcher}) did not notice its worker's exit for "
+                     f"{LAUNCHER_STUCK_S:.0f} s: it waits on the lost machine's rendezvous (TCP gives "
+                     f"up after about 15 minutes); stopped it\n").encode())
+    except OSError:
+        pass
+    os._exit(0)
 
 
 # CUDA raises OutOfMemoryError; the CPU allocator a RuntimeError with one of these

@@ -21,7 +21,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
 from pages import readme_command  # noqa: E402
-from warm import WarmJob, Zygote, as_launch, free_port, torchrun_itself  # noqa: E402
+import warm  # noqa: E402
+from warm import free_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -149,75 +150,62 @@ def one_rank_group():
 
 
 __all__ = ["free_port"]  # the tests import it from here
-_zygote = None
+LAUNCHING = []  # whether the running test is marked `launch` (the full tier)
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _warm_interpreter():
-    """The zygote of `run` ends with the session (and is waited for)."""
+@pytest.fixture(autouse=True)
+def _tier(request):
+    """Only a test marked `launch` starts real launchers and fresh interpreters (`run`,
+    `start`): the quick tier (-m "not launch") runs none."""
+    LAUNCHING[:] = [request.node.get_closest_marker("launch") is not None]
     yield
-    if _zygote is not None:
-        _zygote.close()
+    LAUNCHING.clear()
+
+
+def _launching(cmd) -> None:
+    if LAUNCHING and not LAUNCHING[0]:
+        pytest.fail(f"a real launch in a test not marked launch: {' '.join(map(str, cmd))} "
+                    "(mark the test @pytest.mark.launch, or run a computation with run_warm)")
 
 
 def run(cmd: list[str], *, timeout: float = 300, cwd: Path = REPO, env: dict | None = None,
-        check: bool = True, warm: bool = True, fresh_workers: bool = False) -> subprocess.CompletedProcess:
-    """Run a command; stdout and stderr kept apart; on an unexpected status, fail with
-    the output so the log says why. `python script ...` and `torchrun --standalone
-    --nproc-per-node=N [--max-restarts=K] script ...` run as forks of one interpreter
-    that has imported torch already (tests/zygote.py: the script, its arguments,
-    environment, ranks and restart count are the same; what is saved is `import torch`
-    in every process). warm=False runs torchrun itself, for the tests of what torchrun
-    does (its rendezvous, signals to its group, a restart after a crash, its exit status
-    and messages): the real torchrun in a fork of that interpreter, which starts each
-    worker as a fork of itself (fresh_workers=True: as fresh interpreters, for what
-    happens while they import torch); warm=False on a python command, and an environment
-    that changes what torch reads at import (TORCH_DISTRIBUTED_DEBUG...), start a fresh
-    interpreter. LLM_GUIDE_COLD_LAUNCH=1 starts a fresh one for every launch."""
+        check: bool = True) -> subprocess.CompletedProcess:
+    """Run a command as a user types it: `python script`, or the real torchrun, which
+    starts its workers as fresh interpreters. stdout and stderr kept apart; on an
+    unexpected status, fail with the output so the log says why. Tests marked `launch`."""
     cmd = [str(c) for c in cmd]
+    _launching(cmd)
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    launch = warm_launch(cmd, full_env, warm)
-    if launch is not None:
-        code, out, err = _zygote.run(*launch, cwd=cwd, env=full_env, timeout=timeout,
-                                     fresh_workers=fresh_workers)
-        proc = subprocess.CompletedProcess(cmd, code, out, err)
-    else:
-        proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True,
-                              timeout=timeout)
+    proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    return _checked(proc, check)
+
+
+def run_warm(cmd: list[str], *, timeout: float = 300, cwd: Path = REPO, env: dict | None = None,
+             check: bool = True) -> subprocess.CompletedProcess:
+    """Run a computation: the `python script` or `torchrun --standalone
+    --nproc-per-node=N script` command `cmd`, its ranks forked from a warm interpreter
+    (tests/warm.py) with the variables torchrun gives them. For tests of what a run
+    computes, never of how it launches, stops or restarts."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    return _checked(warm.run_warm(cmd, timeout=timeout, cwd=cwd, env=full_env), check)
+
+
+def _checked(proc: subprocess.CompletedProcess, check: bool) -> subprocess.CompletedProcess:
     if check and proc.returncode != 0:
-        pytest.fail(f"{' '.join(map(str, cmd))} exited {proc.returncode}\n"
+        pytest.fail(f"{' '.join(map(str, proc.args))} exited {proc.returncode}\n"
                     f"--- stdout\n{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-6000:]}")
     return proc
 
 
-def warm_launch(cmd: list[str], env: dict, warm: bool):
-    """What the zygote is to launch for cmd, or None when cmd needs a fresh interpreter."""
-    global _zygote
-    if os.environ.get("LLM_GUIDE_COLD_LAUNCH"):
-        return None
-    launch = as_launch(cmd) if warm else torchrun_itself(cmd)
-    if launch is not None and _zygote is None:
-        _zygote = Zygote(REPO)
-    return launch if launch is not None and _zygote.can_run(env) else None
-
-
-def start(cmd: list[str], log: Path, *, env: dict | None = None, warm: bool = True, cwd: Path = REPO,
-          fresh_workers: bool = False, netns: str | None = None, err_log: Path | None = None):
-    """Start a command that the test acts on while it runs (signals, kills); stdout and
-    stderr appended to `log` (stderr to `err_log`, if given). Popen-like (pid, poll, wait,
-    returncode, terminate, kill), as `run` chooses: a launch of the warm interpreter, whose
-    ranks are the launcher's children in sessions of their own as torchrun's workers are,
-    or the command itself in a new session. netns: inside that network namespace, as `ip
-    netns exec` runs it."""
+def start(cmd: list[str], log: Path, *, env: dict | None = None, cwd: Path = REPO,
+          netns: str | None = None, err_log: Path | None = None) -> subprocess.Popen:
+    """Start a command that the test acts on while it runs (signals, kills), in a
+    session of its own, as a terminal or SLURM starts a job; stdout and stderr appended
+    to `log` (stderr to `err_log`, if given). netns: inside that network namespace,
+    through `ip netns exec`. Tests marked `launch`."""
     cmd = [str(c) for c in cmd]
+    _launching(cmd)
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    for path in filter(None, (log, err_log)):
-        Path(path).touch()  # there to read at once (the launch opens it in its own time)
-    launch = warm_launch(cmd, full_env, warm)
-    if launch is not None:
-        pid = _zygote.start(*launch, cwd=cwd, env=full_env, stdout=log, stderr=err_log or log,
-                            fresh_workers=fresh_workers, netns=netns)
-        return WarmJob(_zygote, pid, cmd)
     with open(log, "a") as out, open(err_log or os.devnull, "a") as err:
         return subprocess.Popen([*(["ip", "netns", "exec", netns] if netns else []), *cmd], cwd=cwd,
                                 env=full_env, stdout=out, stderr=err if err_log else subprocess.STDOUT,
@@ -287,13 +275,12 @@ def from_json(d: dict) -> subprocess.CompletedProcess:
 def uninterrupted(tmp_path_factory):
     """Chapter 04's reference run, which every resumed run must match: (process, run folder).
     Tests read it and copy it; none changes it."""
-    from ch04_runs import NAME, flags
+    from ch04_runs import NAME, THREADS, flags
 
-    # the README's first command (torchrun itself runs the chapter in the crash-and-restart
-    # and SIGTERM tests)
+    # the README's first command, its ranks started warm (tests/warm.py)
     def reference(save_dir):
-        proc = run([*readme_command("04-checkpointing/README.md", "--experiment-name ckpt-demo"), *flags(save_dir)],
-                   timeout=120)
+        proc = run_warm([*readme_command("04-checkpointing/README.md", "--experiment-name ckpt-demo"),
+                         *flags(save_dir)], timeout=120, env=THREADS)
         return {"proc": as_json(proc), "dir": str(save_dir)}
     made = made_once(tmp_path_factory, "ch04-ref", reference)
     return from_json(made["proc"]), Path(made["dir"]) / NAME
@@ -330,11 +317,11 @@ NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}
 
 @pytest.fixture(scope="session")
 def ch01_smoke(tmp_path_factory):
-    """One 40-step run of the tiny preset, from the repo root with plain python (the
-    README's first command; test_tour.py runs it in a fresh interpreter, as a reader
-    does): (process, run folder, metrics records, summary)."""
+    """One 40-step run of the tiny preset, from the repo root (the README's first command,
+    started warm; test_readmes.py runs it in a fresh interpreter, as a reader does):
+    (process, run folder, metrics records, summary)."""
     def smoke(save_dir):
-        proc = run([*readme_command("01-single-gpu/README.md", "python 01-single-gpu/train_llm.py"), *TINY,
+        proc = run_warm([*readme_command("01-single-gpu/README.md", "python 01-single-gpu/train_llm.py"), *TINY,
                     "--max-steps", CH01_STEPS, "--save-dir", save_dir, "--experiment-name", "smoke"], env=NO_GPU)
         return {"proc": as_json(proc), "dir": str(save_dir / "smoke")}
     made = made_once(tmp_path_factory, "ch01", smoke)
@@ -356,9 +343,8 @@ SMALL_CORPUS_FLAGS = ["--vocab-size", "300", "--seq-length", "32"]
 # Runs a chapter script (its path and arguments follow) and records, per rank, the index
 # of every training sample it reads, in order: the first dataset read is the training one.
 ORDER_PROBE = """
-import atexit, json, os, runpy, sys
+import json, os, runpy, sys
 from pathlib import Path
-sys.path.insert(0, str(Path(sys.argv[1]).resolve().parents[1]))
 from common import data
 reads = []
 real = data.PackedDataset.__getitem__
@@ -366,25 +352,22 @@ def getitem(self, i):
     reads.append((id(self), i))
     return real(self, i)
 data.PackedDataset.__getitem__ = getitem
-def record():
-    if not done:
-        done.append(1)
-        Path(__file__).with_name(f"order-{os.environ.get('RANK', '0')}.json").write_text(
-            json.dumps([i for d, i in reads if reads and d == reads[0][0]]))
-done = []
-atexit.register(record)  # an exit from inside the script (sys.exit) too
 sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-record()
+sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))  # as `python script` has it
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+finally:  # an exit from inside the script (sys.exit) too
+    Path(__file__).with_name(f"order-{os.environ.get('RANK', '0')}.json").write_text(
+        json.dumps([i for d, i in reads if reads and d == reads[0][0]]))
 """
 
 
-def training_order(folder: Path, launch, script: str, *args) -> list[list[int]]:
+def training_order(folder: Path, launch, script: str, *args, env: dict | None = None) -> list[list[int]]:
     """The training samples each rank of `launch(script, *args)` read, in order (rank 0
     first); `launch` is `python_cmd` or a `torchrun_cmd` with its process count bound."""
     probe = Path(folder) / "order_probe.py"
     probe.write_text(ORDER_PROBE)
-    proc = run(launch(probe, REPO / script, *args))
+    proc = run_warm(launch(probe, REPO / script, *args), env=env)
     orders = sorted(Path(folder).glob("order-*.json"))
     assert orders, f"no rank recorded its order:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return [json.loads(p.read_text()) for p in orders]

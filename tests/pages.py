@@ -1,6 +1,7 @@
 """The commands the pages show, as the tests read them: test_readmes.py runs each one
-that no other test runs; a test that runs a page's command takes it from the page with
-`readme_command(page, *words)`, so what it launches is what the page says."""
+that no other test runs as written (the real launcher, fresh interpreters: conftest.run);
+a test that runs a page's command takes it from the page with `readme_command(page,
+*words)`, so what it launches is what the page says."""
 
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ def split_command(command: str, save_dir: Path | None = None) -> dict:
 
 def argv_of(parts: dict) -> list[str]:
     """The launch of a command taken apart, with this interpreter (torchrun as `python -m
-    torch.distributed.run`, which the suite's warm launcher recognises)."""
+    torch.distributed.run`, the same program)."""
     launch = [sys.executable] if parts["launcher"] == "python" else [sys.executable, "-m", "torch.distributed.run"]
     return [*launch, *parts["options"], parts["script"], *parts["args"]]
 
@@ -82,14 +83,17 @@ def readme_command(page: str, *words: str) -> list[str]:
 
 
 def commands_run_by_tests() -> dict[str, str]:
-    """{command: the test file that runs it} for every readme_command call in the tests."""
+    """{command: the test file that runs it as written} for every readme_command call
+    inside a call of conftest's `run` or `start` (a real launch) in the tests; a command
+    a test runs warm (`run_warm`) is still run as written by test_readmes.py."""
     out = {}
     for path in sorted(REPO.glob("tests/*.py")):
         tree = ast.parse(path.read_text())
         strings = {t.id: node.value.value for node in tree.body if isinstance(node, ast.Assign)
                    and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
                    for t in node.targets if isinstance(t, ast.Name)}
-        for node in ast.walk(tree):
+        launches = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", None) in ("run", "start")]
+        for node in (n for launch in launches for n in ast.walk(launch)):
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "readme_command":
                 args = [a.value if isinstance(a, ast.Constant) else strings.get(getattr(a, "id", None))
                         for a in node.args]

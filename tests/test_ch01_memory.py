@@ -13,7 +13,7 @@ import torch
 
 from common.model import LlamaForCausalLM, get_config, num_parameters
 from common.training import build_optimizer
-from conftest import load_script, python_cmd, read_json, refused, run, run_folder_held, torchrun_cmd
+from conftest import load_script, python_cmd, read_json, refused, run_warm, run_folder_held, torchrun_cmd
 from pages import readme_command
 
 SCRIPT = "01-single-gpu/memory_anatomy.py"
@@ -71,7 +71,7 @@ def test_measured_memory_is_the_textbook_and_checkpointing_keeps_less(dtype):
 def anatomy(tmp_path_factory):
     """The README's command, with tiny settings: one tracked step per setting."""
     save_dir = tmp_path_factory.mktemp("anatomy")
-    proc = run([*readme_command("01-single-gpu/README.md", "memory_anatomy.py"), *SMALL, "--save-dir", save_dir,
+    proc = run_warm([*readme_command("01-single-gpu/README.md", "memory_anatomy.py"), *SMALL, "--save-dir", save_dir,
                 "--experiment-name", "a"])
     return proc, save_dir / "a"
 
@@ -108,7 +108,7 @@ def test_a_second_job_with_the_same_name_is_refused_not_overwriting(tmp_path):
     job with the same --experiment-name stops with one line instead of overwriting the
     first one's memory_anatomy.json and plot with its own."""
     with run_folder_held(tmp_path / "same") as holder:
-        proc = run(python_cmd(SCRIPT, *SMALL, "--save-dir", tmp_path, "--experiment-name", "same"),
+        proc = run_warm(python_cmd(SCRIPT, *SMALL, "--save-dir", tmp_path, "--experiment-name", "same"),
                    check=False)
         assert proc.returncode == 2, proc.stderr[-3000:]
         lines = proc.stderr.strip().splitlines()
@@ -121,7 +121,7 @@ def test_under_torchrun_it_says_to_launch_it_with_python(tmp_path):
     """One process measures one step: under torchrun the first check says so, naming this
     script (the line named train_llm.py), before the run folder that every rank would
     claim (which used to be the error: the folder 'is in use' by the other rank)."""
-    proc = run(torchrun_cmd(2, SCRIPT, *SMALL, "--save-dir", tmp_path / "x"), check=False)
+    proc = run_warm(torchrun_cmd(2, SCRIPT, *SMALL, "--save-dir", tmp_path / "x"), check=False)
     assert proc.returncode != 0, proc.stderr[-3000:]  # torchrun's own status (1) after rank 0's 2
     assert ("error: 01-single-gpu trains in one process; launch it with `python 01-single-gpu/memory_anatomy.py` "
             "(several processes are chapter 03)") in proc.stderr.splitlines(), proc.stderr[-3000:]
@@ -131,7 +131,7 @@ def test_under_torchrun_it_says_to_launch_it_with_python(tmp_path):
 def test_out_of_memory_names_this_script_s_flags(tmp_path):
     """A batch that cannot be allocated: one line, exit status 1, naming flags this script
     has (not chapter 01's --grad-accum), and no run folder left."""
-    proc = run(python_cmd(SCRIPT, *SMALL[:4], "--batch-size", 10**13, "--save-dir", tmp_path), check=False)
+    proc = run_warm(python_cmd(SCRIPT, *SMALL[:4], "--batch-size", 10**13, "--save-dir", tmp_path), check=False)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: out of memory ("), lines
     assert lines[0].endswith("): try a smaller --batch-size, --seq-length or --model-preset"), lines

@@ -21,7 +21,7 @@ from common.model import LlamaForCausalLM, get_config
 from common.metrics import throughput_table
 from common.training import build_optimizer, evaluate
 from conftest import CH01_STEPS, NO_GPU, REPO, SMALL_CORPUS_FLAGS, TINY, load_script, python_cmd, \
-    read_json, read_jsonl, refused, run, shuffled_epochs, small_corpus, training_order
+    read_json, read_jsonl, refused, run, run_warm, shuffled_epochs, small_corpus, training_order
 
 SCRIPT = "01-single-gpu/train_llm.py"
 FOLDER = REPO / "01-single-gpu"
@@ -178,6 +178,7 @@ def test_the_script_trains_on_a_fresh_seeded_shuffle_every_epoch(tmp_path):
     assert order == shuffled_epochs(n, seed, epochs=3, batch=4)[0][: steps * 4]
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("launcher", ["python", "torchrun"])
 def test_runs_from_inside_the_chapter_folder(tmp_path, launcher):
     """`python train_llm.py` and `torchrun --nproc-per-node=1 train_llm.py` in the
@@ -259,6 +260,7 @@ def test_bad_input_exits_2_with_one_line_and_creates_nothing(tmp_path, monkeypat
     assert_nothing_created(case, save_dir)
 
 
+@pytest.mark.launch
 def test_bad_input_end_to_end_exits_2_with_one_line_and_creates_nothing(tmp_path):
     flags, env, words = REFUSALS[END_TO_END]
     save_dir = tmp_path / END_TO_END
@@ -277,7 +279,7 @@ def test_compiled_and_eager_training_agree(smoke, tmp_path):
     The compiled run also checkpoints its layers' activations (--activation-checkpointing,
     which changes no number: test_model.py), so the two compile together."""
     eager, _, records, _ = smoke
-    compiled = run(python_cmd(SCRIPT, *train_args(tmp_path, "compiled", STEPS, "--compile",
+    compiled = run_warm(python_cmd(SCRIPT, *train_args(tmp_path, "compiled", STEPS, "--compile",
                                                   "--activation-checkpointing")),
                    env=NO_GPU, timeout=600)
     a = [r["loss"] for r in records]
@@ -295,7 +297,7 @@ def test_a_diverging_run_stops_with_one_line_and_keeps_what_it_made(tmp_path):
     """--lr 1e30 passes the flag checks (finite, positive) and the loss turns NaN within a
     few steps: the run says at which step in one line, exit status 1, and keeps its
     metrics and a summary naming the step."""
-    proc = run(python_cmd(SCRIPT, *train_args(tmp_path, "div", 20, "--lr", "1e30",
+    proc = run_warm(python_cmd(SCRIPT, *train_args(tmp_path, "div", 20, "--lr", "1e30",
                                                "--warmup-steps", "0")), check=False)
     assert proc.returncode == 1
     [line] = proc.stderr.strip().splitlines()
@@ -309,11 +311,11 @@ def test_a_diverging_run_stops_with_one_line_and_keeps_what_it_made(tmp_path):
 def test_max_steps_ends_the_run_whatever_num_epochs_says(tmp_path):
     """--max-steps wins: 10**12 epochs do not make the run spin after its last step, and
     steps beyond one epoch run on into the next epochs."""
-    run(python_cmd(SCRIPT, *train_args(tmp_path, "many-epochs", 3, "--num-epochs", 10**12)),
+    run_warm(python_cmd(SCRIPT, *train_args(tmp_path, "many-epochs", 3, "--num-epochs", 10**12)),
         timeout=120)
     assert [r["step"] for r in read_jsonl(tmp_path / "many-epochs" / "metrics.jsonl")] == [1, 2, 3]
     small = small_corpus(tmp_path)  # 13 samples: one epoch is 3 steps of 4
-    proc = run(python_cmd(SCRIPT, *train_args(tmp_path, "epochs", 5, "--dataset-name", small,
+    proc = run_warm(python_cmd(SCRIPT, *train_args(tmp_path, "epochs", 5, "--dataset-name", small,
                                                *SMALL_CORPUS_FLAGS)))
     assert "training 5 steps (" in proc.stdout
     records = read_jsonl(tmp_path / "epochs" / "metrics.jsonl")
@@ -324,7 +326,7 @@ def test_a_full_disk_at_the_final_save_is_one_line_and_leaves_no_truncated_weigh
     """A 2 MB disk takes the metrics, not the 4.5 MB model.pt: exit status 1, one line
     naming the cause, no traceback, and no half-written model.pt a later load would trust."""
     disk = small_disk(2 << 20)
-    proc = run(python_cmd(SCRIPT, *train_args(disk, "full", 2)), check=False)
+    proc = run_warm(python_cmd(SCRIPT, *train_args(disk, "full", 2)), check=False)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert len(errors) == 1 and errors[0].startswith(f"error: disk full while saving {disk / 'full' / 'model.pt'}"), errors

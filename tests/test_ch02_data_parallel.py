@@ -14,8 +14,8 @@ import torch
 
 from common.model import LlamaForCausalLM, get_config
 from conftest import CH01_STEPS, NO_GPU, REPO, SMALL_CORPUS_FLAGS, TINY, load_script, python_cmd, read_json, \
-    read_jsonl, refused, run, start
-from warm import kill_launch
+    read_jsonl, refused, run_warm, start
+from procs import kill_job
 
 SCRIPT = "02-data-parallel/train_llm.py"
 STEPS = CH01_STEPS  # the flags of chapter 01's reference run (conftest's ch01_smoke)
@@ -30,9 +30,9 @@ def runs(tmp_path_factory, ch01_smoke):
     which is the "ch01" entry."""
     save_dir = tmp_path_factory.mktemp("ch02")
     out = {"ch01": ch01_smoke[:2]}
-    for name, extra in RUNS.items():  # the README's command in a fresh interpreter, once
-        proc = run(python_cmd(SCRIPT, *TINY, "--max-steps", STEPS, "--save-dir", save_dir,
-                              "--experiment-name", name, *extra), env=NO_GPU, warm=bool(extra))
+    for name, extra in RUNS.items():
+        proc = run_warm(python_cmd(SCRIPT, *TINY, "--max-steps", STEPS, "--save-dir", save_dir,
+                                   "--experiment-name", name, *extra), env=NO_GPU)
         out[name] = (proc, save_dir / name)
     return out
 
@@ -80,8 +80,8 @@ def test_padded_with_accumulation_over_epochs_equals_chapter_01(tmp_path):
         (corpus / f"doc{i:02d}.txt").write_text(f"def f{i}(x):\n" + "    x = x + 1\n" * (i % 7 + 1))
     flags = [*TINY, "--dataset-name", corpus, *SMALL_CORPUS_FLAGS, "--padded", "--grad-accum", 2,
              "--max-steps", 5, "--val-batches", 1, "--save-dir", tmp_path]
-    run(python_cmd("01-single-gpu/train_llm.py", *flags, "--experiment-name", "ch01"), env=NO_GPU)
-    run(python_cmd(SCRIPT, *flags, "--experiment-name", "ch02", "--loss-in-module"), env=NO_GPU)
+    run_warm(python_cmd("01-single-gpu/train_llm.py", *flags, "--experiment-name", "ch01"), env=NO_GPU)
+    run_warm(python_cmd(SCRIPT, *flags, "--experiment-name", "ch02", "--loss-in-module"), env=NO_GPU)
     summary = read_json(tmp_path / "ch02" / "summary.json")
     assert (summary["data"]["form"], summary["data"]["train_samples"]) == ("padded", 19)
     losses = [[r["loss"] for r in read_jsonl(tmp_path / d / "metrics.jsonl")] for d in ("ch01", "ch02")]
@@ -162,6 +162,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
+@pytest.mark.launch
 def test_ctrl_c_while_a_worker_hands_a_batch_over_is_one_line(tmp_path):
     """Ctrl-C (SIGINT to the process group) while the trainer takes a batch over from its
     DataLoader worker: the trainer left in the middle of the handover, and the worker,
@@ -183,7 +184,7 @@ def test_ctrl_c_while_a_worker_hands_a_batch_over_is_one_line(tmp_path):
         try:
             status = job.wait(timeout=60)
         finally:
-            kill_launch(job.pid)
+            kill_job(job.pid)
         out = log.read_text()
         assert status == 130 and "Traceback" not in out, out[-3000:]
         assert [line for line in out.splitlines() if "interrupted (Ctrl-C)" in line] == [

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import REPO, SMALL_CORPUS_FLAGS, TINY, free_port, python_cmd, read_json, \
-    read_jsonl, run, shuffled_epochs, small_corpus, start, torchrun_cmd, training_order
+    read_jsonl, run_warm, shuffled_epochs, small_corpus, start, torchrun_cmd, training_order
 from pages import readme_command
 
 SCRIPT = "03-ddp/train_llm.py"
@@ -66,15 +66,15 @@ def save_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ch01_b16(save_dir):
     """The reference: chapter 01 with global batch 16."""
-    run(python_cmd(CH01, *train_args(save_dir, "ch01-b16", 16)))
+    run_warm(python_cmd(CH01, *train_args(save_dir, "ch01-b16", 16)))
     return save_dir / "ch01-b16"
 
 
 @pytest.fixture(scope="module")
 def ddp(save_dir):
-    """The README's command: 2 processes x batch 8, torchrun --standalone. (Through the
-    suite's warm launcher: torchrun itself runs it in test_tour.py::test_short_real_tour.)"""
-    proc = run([*readme_command("03-ddp/README.md", "torchrun --standalone --nproc-per-node=2 03-ddp/train_llm.py"),
+    """The README's command: 2 processes x batch 8, its ranks started warm (the command
+    as written, with the real torchrun: test_readmes.py)."""
+    proc = run_warm([*readme_command("03-ddp/README.md", "torchrun --standalone --nproc-per-node=2 03-ddp/train_llm.py"),
                 *train_args(save_dir, "ddp-2x8", 8)])
     return proc, save_dir / "ddp-2x8"
 
@@ -82,7 +82,7 @@ def ddp(save_dir):
 @pytest.fixture(scope="module")
 def accum(save_dir):
     """The README's plain python (world size 1), batch 8 x grad-accum 2."""
-    proc = run([*readme_command("03-ddp/README.md", "python 03-ddp/train_llm.py"),
+    proc = run_warm([*readme_command("03-ddp/README.md", "python 03-ddp/train_llm.py"),
                 *train_args(save_dir, "accum-1x8x2", 8, "--grad-accum", 2)])
     return proc, save_dir / "accum-1x8x2"
 
@@ -103,7 +103,7 @@ def two_nodes(tmp_path_factory):
                                                    "--activation-checkpointing"))]
     logs_dir = tmp_path_factory.mktemp("ch03-nodes-logs")
     logs = [logs_dir / f"node{i}.log" for i in range(2)]
-    nodes = [start(cmd, log, warm=False) for log in logs]  # torchrun itself, twice
+    nodes = [start(cmd, log) for log in logs]  # the real torchrun, twice
     statuses = [node.wait(timeout=300) for node in nodes]
     assert statuses == [0, 0], "\n".join(log.read_text()[-4000:] for log in logs)
     return [log.read_text() for log in logs], save_dir
@@ -120,7 +120,7 @@ def test_on_4_ranks_ddp_equals_single_process_too(save_dir, ch01_b16):
     """4 processes x batch 4: each rank's share of the global batch of 16 is a quarter,
     and the all-reduce averages four partial gradients, added in another order than one
     process adds them; still the same training, within the same bounds as on 2 ranks."""
-    run(torchrun_cmd(4, SCRIPT, *train_args(save_dir, "ddp-4x4", 4)))
+    run_warm(torchrun_cmd(4, SCRIPT, *train_args(save_dir, "ddp-4x4", 4)))
     summary = read_json(save_dir / "ddp-4x4" / "summary.json")
     assert (summary["world_size"], summary["global_batch_size"]) == (4, 16)
     assert_same_training(save_dir / "ddp-4x4", ch01_b16)
@@ -130,7 +130,7 @@ def test_grad_accumulation_equals_the_larger_batch(accum, ch01_b16):
     assert_same_training(accum[1], ch01_b16)
 
 
-@pytest.mark.long
+@pytest.mark.launch
 def test_two_nodes_with_grad_accumulation_equal_the_global_batch(two_nodes, ch01_b16):
     stdouts, save_dir = two_nodes
     assert [p.name for p in save_dir.iterdir()] == ["nodes-4x2x2"]
@@ -205,7 +205,7 @@ def test_slurm_script_is_valid_bash_and_launches_what_the_readme_says(tmp_path):
 
 
 DYNAMO_PROBE = """
-import atexit, json, os, runpy, sys
+import json, os, runpy, sys
 import torch
 from torch._dynamo.backends import distributed as ddp_backend
 from torch._dynamo.utils import counters
@@ -218,11 +218,13 @@ def split(self, gm, example_inputs):
 ddp_backend.DDPOptimizer.compile_fn = split
 real_compile = torch.nn.Module.compile
 torch.nn.Module.compile = lambda self, *a, **k: real_compile(self, *a, **{**k, "backend": "eager"})
-atexit.register(lambda: os.environ["RANK"] == "0" and print("DYNAMO", json.dumps(
-    {"breaks": sum(counters["graph_break"].values()), "graphs": counters["stats"]["unique_graphs"],
-     "pieces": pieces}), flush=True))
 sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+finally:  # an exit from inside the script (sys.exit) too
+    if os.environ["RANK"] == "0":
+        print("DYNAMO", json.dumps({"breaks": sum(counters["graph_break"].values()),
+                                    "graphs": counters["stats"]["unique_graphs"], "pieces": pieces}), flush=True)
 """
 
 
@@ -234,7 +236,7 @@ def test_compile_under_ddp_is_one_graph_cut_by_ddps_optimizer(tmp_path):
     minute); that the compiled model trains what eager trains is chapter 01's test."""
     wrapper = tmp_path / "probe.py"
     wrapper.write_text(DYNAMO_PROBE)
-    proc = run(torchrun_cmd(2, wrapper, REPO / SCRIPT, *train_args(tmp_path, "compiled", 4, "--compile",
+    proc = run_warm(torchrun_cmd(2, wrapper, REPO / SCRIPT, *train_args(tmp_path, "compiled", 4, "--compile",
                                                                    steps=3)))
     found = [json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("DYNAMO ")]
     assert found and found[0]["breaks"] == 0 and found[0]["graphs"] >= 1, proc.stdout[-2000:]
@@ -242,7 +244,7 @@ def test_compile_under_ddp_is_one_graph_cut_by_ddps_optimizer(tmp_path):
 
 
 COUNT_COLLECTIVES = """
-import atexit, os, runpy, sys
+import os, runpy, sys
 import torch.distributed as dist
 calls = []
 real = dist.all_reduce
@@ -250,9 +252,12 @@ def counted(tensor, *args, **kwargs):
     calls.append(1)
     return real(tensor, *args, **kwargs)
 dist.all_reduce = counted
-atexit.register(lambda: os.environ["RANK"] == "0" and print("ALL_REDUCE_CALLS", len(calls), flush=True))
 sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+finally:  # an exit from inside the script (sys.exit) too
+    if os.environ["RANK"] == "0":
+        print("ALL_REDUCE_CALLS", len(calls), flush=True)
 """
 
 
@@ -266,14 +271,14 @@ def test_packed_steps_send_no_token_count(tmp_path, form):
     wrapper.write_text(COUNT_COLLECTIVES)
     extra = ["--padded"] if form == "padded" else []
     args = train_args(tmp_path, form, 4, "--log-freq", 100, *extra, steps=6)
-    proc = run(torchrun_cmd(2, wrapper, REPO / SCRIPT, *args))
+    proc = run_warm(torchrun_cmd(2, wrapper, REPO / SCRIPT, *args))
     calls = [int(line.split()[-1]) for line in proc.stdout.splitlines()
              if line.startswith("ALL_REDUCE_CALLS")]
     assert calls == [2 + (6 if form == "padded" else 0)], proc.stdout[-2000:]
 
 
 COUNT_DDP_ALL_REDUCES = """
-import atexit, os, runpy, sys
+import os, runpy, sys
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 calls = []
@@ -285,9 +290,12 @@ def init(self, *args, **kwargs):
         return allreduce_hook(state, bucket)
     self.register_comm_hook(None, counted)
 DistributedDataParallel.__init__ = init
-atexit.register(lambda: os.environ["RANK"] == "0" and print("DDP_ALL_REDUCES", len(calls), flush=True))
 sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+finally:  # an exit from inside the script (sys.exit) too
+    if os.environ["RANK"] == "0":
+        print("DDP_ALL_REDUCES", len(calls), flush=True)
 """
 
 
@@ -300,7 +308,7 @@ def test_accumulation_all_reduces_only_the_last_micro_batch(tmp_path):
     wrapper.write_text(COUNT_DDP_ALL_REDUCES)
     counts = []
     for accum in (1, 2):
-        proc = run(torchrun_cmd(2, wrapper, REPO / SCRIPT, *train_args(
+        proc = run_warm(torchrun_cmd(2, wrapper, REPO / SCRIPT, *train_args(
             tmp_path, f"accum{accum}", 2, "--grad-accum", accum, "--val-batches", 1, steps=3)))
         counts += [int(line.split()[-1]) for line in proc.stdout.splitlines()
                    if line.startswith("DDP_ALL_REDUCES")]
@@ -311,8 +319,8 @@ def test_a_full_disk_at_the_final_save_stops_every_rank_with_its_one_line(small_
     """Rank 0's model.pt does not fit a 2 MB disk: every rank hears why (no rank left
     waiting, no traceback) and no truncated model.pt stays behind."""
     disk = small_disk(2 << 20)
-    proc = run(torchrun_cmd(2, SCRIPT, *train_args(disk, "full", 4, steps=2)), check=False)
+    proc = run_warm(torchrun_cmd(2, SCRIPT, *train_args(disk, "full", 4, steps=2)), check=False)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert proc.returncode != 0 and "[rank0]: Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert errors and all(f"disk full while saving {disk / 'full' / 'model.pt'}" in e for e in errors), errors
     assert {p.name for p in (disk / "full").iterdir()} == {".owner", "metrics.jsonl"}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import TINY, load_script, read_json, refused, run
+from conftest import TINY, load_script, read_json, refused, run_warm
 from pages import readme_command
 
 SCRIPT = "03-ddp/ddp_knobs.py"
@@ -21,7 +21,7 @@ STEPS = 4
 def knobs(tmp_path_factory):
     save = tmp_path_factory.mktemp("knobs")
     caps = ",".join(map(str, CAPS))
-    proc = run([*readme_command("03-ddp/README.md", "03-ddp/ddp_knobs.py"), *TINY[:6],  # preset, sequence, batch
+    proc = run_warm([*readme_command("03-ddp/README.md", "03-ddp/ddp_knobs.py"), *TINY[:6],  # preset, sequence, batch
                 "--steps", STEPS, "--bucket-caps", caps, "--save-dir", save, "--experiment-name", "k"], timeout=300)
     return proc, read_json(save / "k" / "ddp_knobs.json")
 

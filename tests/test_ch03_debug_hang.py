@@ -13,12 +13,13 @@ import time
 import pytest
 
 from conftest import REPO, run, start, torchrun_cmd
-from warm import kill_launch
+from procs import kill_job
 
 SCRIPT = "03-ddp/debug_hang.py"
 DETAIL = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
 
 
+@pytest.mark.launch
 @pytest.mark.waits
 def test_detail_names_the_mismatched_collective_on_both_ranks():
     proc = run(torchrun_cmd(2, SCRIPT), env=DETAIL, check=False, timeout=120)
@@ -37,6 +38,7 @@ def test_detail_names_the_mismatched_collective_on_both_ranks():
         assert f"Tensor shapes: {mine}vs {theirs}" in line
 
 
+@pytest.mark.launch
 @pytest.mark.waits
 def test_a_hang_shows_every_stack_and_detail_names_the_missing_rank(tmp_path):
     timeout = 8
@@ -58,7 +60,7 @@ def test_a_hang_shows_every_stack_and_detail_names_the_missing_rank(tmp_path):
         job.wait(timeout=120)
         waited = time.perf_counter() - t0
     finally:
-        kill_launch(job.pid)
+        kill_job(job.pid)
     out, err = out_log.read_text(), err_log.read_text()
     assert job.returncode != 0
     # both ranks printed their stacks and went on: rank 0 inside the all-reduce of

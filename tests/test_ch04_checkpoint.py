@@ -28,8 +28,8 @@ import torch.distributed as dist
 
 from common.data import worker_start_method
 from common.files import sha256_of, verify_manifest
-from conftest import REPO, load_script, run, torchrun_cmd
-from warm import children, running
+from conftest import REPO, load_script, run_warm, torchrun_cmd
+from procs import children, running
 
 ch04 = load_script("04-checkpointing/train_llm.py")  # puts its folder on sys.path
 import checkpoint  # noqa: E402  the chapter's lesson module, beside the script
@@ -396,8 +396,8 @@ def test_iterating_the_loader_leaves_the_global_generator_alone():
 # ---- two ranks ------------------------------------------------------------------------------
 
 def two_ranks(root):
-    """One rank of the `spawned` job: this file run as a script by torchrun (through the
-    suite's warm launcher), its results into rank-<r>.json."""
+    """One rank of the `spawned` job: this file run as a script on two ranks started warm
+    (conftest.run_warm), its results into rank-<r>.json."""
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo")
     sent = {"objects": [], "tensors": 0}
@@ -496,7 +496,7 @@ def stop_votes(rank) -> dict:
 def spawned(tmp_path_factory):
     """One launch of two ranks for the tests below: (results by rank, checkpoint folder)."""
     root, results = tmp_path_factory.mktemp("two-ranks"), {}
-    run(torchrun_cmd(2, "tests/test_ch04_checkpoint.py", root), timeout=120)
+    run_warm(torchrun_cmd(2, "tests/test_ch04_checkpoint.py", root), timeout=120)
     for rank in (0, 1):
         saved = json.loads((root / f"rank-{rank}.json").read_text())
         results[rank], results[f"votes {rank}"] = saved["result"], saved["votes"]

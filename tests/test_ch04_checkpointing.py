@@ -12,12 +12,13 @@ import pickle
 import pytest
 import torch
 
-from ch04_runs import (CRASH, FREQ, NAME, SCRIPT, STEPS, assert_same_as_uninterrupted, copy_run, flags,
-                       kill_job, snapshot, start_job, step_dir, train)
+from ch04_runs import (CRASH, FREQ, NAME, SCRIPT, STEPS, THREADS, assert_same_as_uninterrupted, copy_run, flags,
+                       snapshot, start_held, step_dir, steps_logged, train)
 from common.data import build_datasets
 from common.files import write_manifest
-from conftest import SMALL_CORPUS_FLAGS, load_script, python_cmd, read_json, read_jsonl, run, shuffled_epochs, \
-    small_corpus, torchrun_cmd, training_order
+from conftest import SMALL_CORPUS_FLAGS, load_script, python_cmd, read_json, read_jsonl, run, run_warm, \
+    shuffled_epochs, small_corpus, torchrun_cmd, training_order
+from procs import kill_job
 from pages import readme_command
 
 
@@ -42,11 +43,11 @@ def test_summary_reports_the_checkpoint_cost(uninterrupted):
     assert "| checkpoint size" in proc.stdout and "| checkpoint save" in proc.stdout
 
 
-@pytest.mark.long
+@pytest.mark.launch
 def test_torchrun_restart_after_a_crash_continues_exactly(tmp_path, uninterrupted):
-    """The README's crash demo, under torchrun itself (its own restart)."""
+    """The README's crash demo, under the real torchrun (its own restart)."""
     proc = run([*readme_command("04-checkpointing/README.md", "--max-restarts=3"),
-                *flags(tmp_path, "--crash-at-step", CRASH)], warm=False, timeout=120)
+                *flags(tmp_path, "--crash-at-step", CRASH)], timeout=120, env=THREADS)
     run_dir = tmp_path / NAME
     assert f"injected crash after step {CRASH}" in proc.stdout + proc.stderr
     assert (run_dir / f"crash-injected-at-step-{CRASH}").exists()
@@ -56,19 +57,20 @@ def test_torchrun_restart_after_a_crash_continues_exactly(tmp_path, uninterrupte
     assert summary["resumed_at_step"] == 6 and summary["restart_count"] == 1
 
 
-def test_on_3_ranks_a_restart_continues_exactly_too(tmp_path, uninterrupted_on_3_ranks):
+def test_on_3_ranks_a_resume_continues_exactly_too(tmp_path, uninterrupted_on_3_ranks):
     """On 3 ranks an all-reduce's sums depend on where each gradient sits in DDP's
     buckets, which DDP rebuilds after its first backward. A resumed run rebuilds them
-    before its first step (checkpoint.rebuild_ddp_buckets), so a restart after a crash
+    before its first step (checkpoint.rebuild_ddp_buckets), so a rerun after a crash
     still ends with exactly the losses and weights of an uninterrupted 3-rank run.
     (Without it the weights differed from step 8 on, by 6e-8.)"""
-    proc = train(tmp_path / "restarted", "--crash-at-step", CRASH, restarts=1, nproc=3)
+    assert train(tmp_path / "restarted", "--crash-at-step", CRASH, nproc=3, check=False).returncode != 0
+    proc = train(tmp_path / "restarted", "--crash-at-step", CRASH, nproc=3)
     assert f"resumed from {tmp_path / 'restarted' / NAME / 'checkpoints' / step_dir(6)}: step 6" in proc.stdout
     assert_same_as_uninterrupted(tmp_path / "restarted" / NAME, uninterrupted_on_3_ranks)
     assert "over 2 batches" in proc.stdout  # --val-batches 2 in all, not one per rank
 
 
-def test_a_restart_in_a_later_epoch_continues_exactly(tmp_path):
+def test_a_resume_in_a_later_epoch_continues_exactly(tmp_path):
     """The suite's other runs never leave epoch 0. On a 13-sample corpus, 2 ranks x batch
     2 take 3 steps an epoch: the 12 steps run four epochs, each on its own shuffle
     (randperm(seed + epoch), every second sample per rank), and a crash after step 5,
@@ -77,32 +79,29 @@ def test_a_restart_in_a_later_epoch_continues_exactly(tmp_path):
     small = ["--dataset-name", small_corpus(tmp_path), *SMALL_CORPUS_FLAGS, "--batch-size", 2,
              "--seed", seed, "--ckpt-freq", 4, "--num-workers", 0]  # the probe reads in-process
     whole.mkdir()
-    orders = training_order(whole, lambda *a: torchrun_cmd(2, *a), SCRIPT, *flags(whole, *small))
+    orders = training_order(whole, lambda *a: torchrun_cmd(2, *a), SCRIPT, *flags(whole, *small), env=THREADS)
     n = read_json(whole / NAME / "summary.json")["data"]["train_samples"]
     assert n == 13 and orders == shuffled_epochs(n, seed, epochs=4, batch=2, world=2)
-    proc = train(tmp_path / "crashed", *small, "--crash-at-step", 5, restarts=1)
+    assert train(tmp_path / "crashed", *small, "--crash-at-step", 5, check=False).returncode != 0
+    proc = train(tmp_path / "crashed", *small, "--crash-at-step", 5)
     assert f"resumed from {tmp_path / 'crashed' / NAME / 'checkpoints' / step_dir(4)}: step 4" in proc.stdout
     assert_same_as_uninterrupted(tmp_path / "crashed" / NAME, whole / NAME)
 
 
+@pytest.mark.launch
 def test_rerun_after_sigkill_of_the_whole_job_continues_exactly(tmp_path, uninterrupted):
     """SIGKILL to every process of the job (no cleanup, no atexit) at whatever moment
     the run has passed its first checkpoint; then the same command again."""
     cmd = torchrun_cmd(2, SCRIPT, *flags(tmp_path))
     metrics = tmp_path / NAME / "metrics.jsonl"
-
-    def steps_logged():
-        return metrics.read_text().count("\n") if metrics.exists() else 0
-
-    job = start_job(cmd, tmp_path / "killed.log", until=lambda: steps_logged() >= FREQ + 2)
-    assert job.poll() is None, "the job ended before it could be killed"
+    job, _ = start_held(cmd, tmp_path / "killed.log", metrics, FREQ + 2)
     kill_job(job.pid)
     job.wait()
-    killed_at = steps_logged()
+    killed_at = steps_logged(metrics)
     assert FREQ < killed_at < STEPS, f"killed after step {killed_at}"
     assert not (tmp_path / NAME / "summary.json").exists()
 
-    proc = run(cmd, timeout=120)
+    proc = run(cmd, timeout=120, env=THREADS)
     assert "resumed from" in proc.stdout
     assert_same_as_uninterrupted(tmp_path / NAME, uninterrupted[1])
 
@@ -155,7 +154,7 @@ def test_resume_with_a_different_flag_is_refused(tmp_path, uninterrupted):
     """One process of batch 8 keeps the global batch of 2 x 4: only --lr differs."""
     run_dir = copy_run(uninterrupted[1], tmp_path)
     before = snapshot(run_dir)
-    proc = run(python_cmd(SCRIPT, *flags(tmp_path, "--batch-size", 8, "--lr", 2e-3)), check=False)
+    proc = run_warm(python_cmd(SCRIPT, *flags(tmp_path, "--batch-size", 8, "--lr", 2e-3)), check=False, env=THREADS)
     assert proc.returncode == 2
     [line] = proc.stderr.strip().splitlines()
     assert line.startswith(f"error: checkpoint {run_dir / 'checkpoints' / step_dir(12)} belongs "
@@ -167,10 +166,9 @@ def test_resume_with_another_world_size_but_the_same_global_batch(tmp_path, cras
     """Saved by 2 processes x batch 4, resumed by 1 process x batch 8: global batch k is
     the same samples either way, so the run continues where it stopped. One process
     averages the gradient in one sum instead of two, so the match is to float rounding,
-    not to the bit. In a fresh interpreter, as a reader starts it: the one run of this
-    chapter's script that imports everything itself (the others are forks, tests/zygote.py)."""
+    not to the bit."""
     run_dir = copy_run(crashed[1], tmp_path)
-    proc = run(python_cmd(SCRIPT, *flags(tmp_path, "--batch-size", 8)), warm=False)
+    proc = run_warm(python_cmd(SCRIPT, *flags(tmp_path, "--batch-size", 8)), env=THREADS)
     assert f"resumed from {run_dir / 'checkpoints' / step_dir(6)}: step 6" in proc.stdout
     got, ref = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(uninterrupted[1] / "metrics.jsonl")
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
@@ -183,20 +181,21 @@ def test_resume_with_another_dtype_is_refused_and_auto_is_the_dtype_it_resolves_
     same run (here: already finished). One process of batch 8 keeps the global batch."""
     run_dir = copy_run(uninterrupted[1], tmp_path)
     before = snapshot(run_dir)
-    proc = run(python_cmd(SCRIPT, *flags(tmp_path, "--batch-size", 8, "--dtype", "bf16")), check=False)
+    proc = run_warm(python_cmd(SCRIPT, *flags(tmp_path, "--batch-size", 8, "--dtype", "bf16")), check=False,
+                    env=THREADS)
     assert proc.returncode == 2
     [line] = proc.stderr.strip().splitlines()
     assert line.startswith(f"error: checkpoint {run_dir / 'checkpoints' / step_dir(12)} belongs "
                            f"to a run with other settings (--dtype fp32 -> bf16)")
     assert snapshot(run_dir) == before
-    proc = run(python_cmd(SCRIPT, *flags(tmp_path, "--batch-size", 8, "--dtype", "fp32")))
+    proc = run_warm(python_cmd(SCRIPT, *flags(tmp_path, "--batch-size", 8, "--dtype", "fp32")), env=THREADS)
     assert f"this run already finished (step {STEPS} of {STEPS})" in proc.stdout
 
 
 def test_resume_with_another_global_batch_is_refused(tmp_path, crashed):
     run_dir = copy_run(crashed[1], tmp_path)
     before = snapshot(run_dir)
-    proc = run(python_cmd(SCRIPT, *flags(tmp_path)), check=False)  # 1 process x 4
+    proc = run_warm(python_cmd(SCRIPT, *flags(tmp_path)), check=False, env=THREADS)  # 1 process x 4
     assert proc.returncode == 2
     [line] = proc.stderr.strip().splitlines()
     assert "(global batch 8 -> 4)" in line
@@ -239,7 +238,7 @@ def test_loading_never_unpickles_code(tmp_path):
     data = build_datasets("stdlib", 64)  # the cached corpus: the settings match
     write_manifest(evil, {"settings": run_settings(args, "fp32", 4, data.fingerprint)})
 
-    proc = run(python_cmd(SCRIPT, *flags(tmp_path / "out", "--resume-from", evil)), check=False)
+    proc = run_warm(python_cmd(SCRIPT, *flags(tmp_path / "out", "--resume-from", evil)), check=False)
     assert proc.returncode == 2
     assert f"checkpoint {evil} cannot be used (UnpicklingError" in proc.stdout
     assert proc.stderr.strip().splitlines()[-1].startswith(f"error: no checkpoint in {tmp_path}")

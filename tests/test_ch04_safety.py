@@ -18,10 +18,10 @@ import pytest
 
 from common import runfolder
 from common.runfolder import claim_run_folder
-from conftest import REPO, python_cmd, read_json, read_jsonl, run, run_folder_held, torchrun_cmd
-from warm import children, in_session
-from ch04_runs import (CRASH, FREQ, NAME, SCRIPT, SPARE_CORES, STEPS, assert_same_as_uninterrupted, copy_run, flags,
-                       kill_job, snapshot, start_job, step_dir, train)
+from conftest import REPO, python_cmd, read_json, read_jsonl, run, run_folder_held, run_warm, torchrun_cmd
+from procs import children, in_session, kill_job
+from ch04_runs import (CRASH, FREQ, NAME, SCRIPT, STEPS, THREADS, assert_same_as_uninterrupted, copy_run, flags,
+                       resume, snapshot, start_held, start_job, step_dir, train)
 
 FORKSERVER_DEFAULT = REPO / "tests" / "forkserver_default.py"  # runs SCRIPT as Python 3.14 would
 
@@ -84,7 +84,7 @@ def test_a_folder_named_latest_stops_the_run_before_any_work(tmp_path, crashed):
     pointer.mkdir()
     (pointer / "notes.txt").write_text("mine")
     before = snapshot(run_dir)
-    proc = run(python_cmd(SCRIPT, *flags(tmp_path, "--batch-size", 8)), check=False)
+    proc = run_warm(python_cmd(SCRIPT, *flags(tmp_path, "--batch-size", 8)), check=False, env=THREADS)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         f"error: {pointer} is a folder, where the file naming the last checkpoint belongs: nothing was "
@@ -114,6 +114,7 @@ def test_a_second_job_on_the_same_folder_is_refused(tmp_path):
     assert read_json(tmp_path / NAME / "summary.json")["chapter"] == "04-checkpointing"
 
 
+@pytest.mark.launch
 def test_fresh_under_restarts_archives_once(tmp_path, crashed, uninterrupted):
     run_dir = copy_run(crashed[1], tmp_path)
     train(tmp_path, "--fresh", "--crash-at-step", 5, restarts=2)
@@ -156,6 +157,7 @@ def test_a_run_stopped_after_its_last_checkpoint_is_finished_by_the_rerun(tmp_pa
     assert_same_as_uninterrupted(run_dir, uninterrupted[1])  # model.pt too
 
 
+@pytest.mark.launch
 def test_resume_from_acts_once_per_job_under_restarts(tmp_path, crashed, uninterrupted):
     """--resume-from step 3, then a crash after step 10 under --max-restarts: the restart
     resumes from step 9, which this job saved, not from step 3 again; nor does it check
@@ -204,18 +206,17 @@ def test_without_a_latest_pointer_the_rerun_resumes_from_the_newest_checkpoint(t
     assert_same_as_uninterrupted(run_dir, uninterrupted[1])
 
 
+@pytest.mark.launch
 def test_sigterm_to_the_workers_under_restarts_says_what_happens_next(tmp_path, uninterrupted):
     """A signal to the workers alone (their process groups), under --max-restarts: they
-    save and stop, torchrun restarts them, they resume; the line said so. (Through the
-    warm launcher, which restarts as torchrun does: the restart itself is torchrun's in
-    test_ch04_checkpointing.py::test_torchrun_restart_after_a_crash_continues_exactly.)"""
+    save and stop, torchrun restarts them, they resume; the line said so."""
     cmd = torchrun_cmd(2, SCRIPT, *flags(tmp_path, "--ckpt-freq", 100), extra=["--max-restarts=1"])
     metrics = tmp_path / NAME / "metrics.jsonl"
-    job = start_job(cmd, tmp_path / "job.log", env=SPARE_CORES,
-                    until=lambda: metrics.exists() and metrics.read_text().count("\n") >= 5)
-    for worker in children(job.pid):
-        os.killpg(worker, signal.SIGTERM)  # each worker and its DataLoader process
+    job, held = start_held(cmd, tmp_path / "job.log", metrics, 5)
     try:
+        for worker in children(job.pid):
+            os.killpg(worker, signal.SIGTERM)  # each worker and its DataLoader process
+        resume(held)
         job.wait(timeout=120)
     finally:
         kill_job(job.pid)
@@ -226,26 +227,26 @@ def test_sigterm_to_the_workers_under_restarts_says_what_happens_next(tmp_path, 
     assert_same_as_uninterrupted(tmp_path / NAME, uninterrupted[1])
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("sig, extra", [(signal.SIGTERM, []), (signal.SIGINT, ["--deterministic"])],
                          ids=["SIGTERM", "SIGINT-deterministic"])
 def test_a_signal_saves_a_checkpoint_and_the_rerun_continues_exactly(tmp_path, uninterrupted, sig, extra):
     """What a scheduler (SIGTERM) or Ctrl-C (SIGINT) does, with the default DataLoader
     worker: torchrun passes the signal on to each worker's process group; the current
     step ends, a checkpoint is written, one line says so, the job exits non-zero within
-    seconds. SIGTERM under torchrun itself (its agent passes the signal on), with
-    forkserver as the default start method (Python 3.14's: its server, in the trainer's
-    group, would die of the signal and take the worker along); SIGINT through the warm
-    launcher, which passes it on as torchrun does. The SIGINT job runs with
+    seconds. SIGTERM with forkserver as the default start method (Python 3.14's: its
+    server, in the trainer's group, would die of the signal and take the worker along);
+    SIGINT with Python's default. The SIGINT job runs with
     --deterministic, as the GPU test of exact resume does: on a CPU, whose kernels are
     deterministic anyway, it changes no number, and the resumed run says it ran so."""
     script = [FORKSERVER_DEFAULT, SCRIPT] if sig == signal.SIGTERM else [SCRIPT]
     cmd = [str(c) for c in torchrun_cmd(2, *script, *flags(tmp_path, "--ckpt-freq", 100, *extra))]
     metrics = tmp_path / NAME / "metrics.jsonl"
-    job = start_job(cmd, tmp_path / "job.log", warm=sig == signal.SIGINT, env=SPARE_CORES,
-                    until=lambda: metrics.exists() and metrics.read_text().count("\n") >= 5)
-    os.killpg(job.pid, sig)  # torchrun's process group, as a terminal's Ctrl-C does
+    job, held = start_held(cmd, tmp_path / "job.log", metrics, 5)
     t0 = time.monotonic()
     try:
+        os.killpg(job.pid, sig)  # torchrun's process group, as a terminal's Ctrl-C does
+        resume(held)
         job.wait(timeout=60)
     finally:
         kill_job(job.pid)
@@ -262,7 +263,7 @@ def test_a_signal_saves_a_checkpoint_and_the_rerun_continues_exactly(tmp_path, u
     assert "KeyboardInterrupt" not in out and "train_llm.py" not in out.split("Traceback")[-1] \
         and out.count("Traceback") <= 1, out[-3000:]
     assert (tmp_path / NAME / "checkpoints" / "latest").read_text() == step_dir(step)
-    proc = run(cmd, timeout=120)
+    proc = run(cmd, timeout=120, env=THREADS)
     assert f"step {step}" in proc.stdout
     assert_same_as_uninterrupted(tmp_path / NAME, uninterrupted[1])
     deterministic = bool(extra)
@@ -271,13 +272,13 @@ def test_a_signal_saves_a_checkpoint_and_the_rerun_continues_exactly(tmp_path, u
     assert f'"deterministic_algorithms": {str(deterministic).lower()}' in proc.stdout
 
 
+@pytest.mark.launch
 def test_workers_stop_when_their_launcher_is_killed(tmp_path):
     """kill -9 of torchrun (the OOM killer's choice, say) and of one of its workers: the
     other worker notices and stops, instead of training on as an orphan that a rerun
     would collide with, and no process either started (their DataLoader workers)
     outlives them, also with forkserver as the default start method (Python 3.14's),
-    whose server and workers would outlive a killed trainer for good. (The warm
-    launcher's ranks are its children, as torchrun's workers are its.)"""
+    whose server and workers would outlive a killed trainer for good."""
     cmd = torchrun_cmd(2, FORKSERVER_DEFAULT, SCRIPT, *flags(tmp_path, "--max-steps", 400))
     metrics = tmp_path / NAME / "metrics.jsonl"
     job = start_job(cmd, tmp_path / "job.log", until=lambda: metrics.exists() and bool(metrics.read_text()))

@@ -1,10 +1,9 @@
 """Chapter 04 under a scheduler's stop: SLURM, at a job's time limit or preemption, sends
 SIGTERM to every process of the job step (the launcher, every trainer, every DataLoader
-worker), not to one process group; a terminal's Ctrl-C sends SIGINT to torchrun's group.
-Either way, with the default flags (3 ranks under SLURM's signal, 2 under Ctrl-C; torchrun
-alone signalled: test_ch04_safety.py), the run saves a checkpoint and stops, and the same
-command continues it exactly. The real torchrun runs the stopped job:
-the process tree is what the signals meet."""
+worker), not to one process group. With the default flags, on 3 ranks, the run saves a
+checkpoint and stops, and the same command continues it exactly. The real torchrun runs
+the stopped job: the process tree is what the signals meet. (Ctrl-C, SIGINT to torchrun's
+group, and SIGTERM to torchrun alone: test_ch04_safety.py.)"""
 
 from __future__ import annotations
 
@@ -15,9 +14,9 @@ import time
 
 import pytest
 
-from ch04_runs import NAME, SCRIPT, SPARE_CORES, assert_same_as_uninterrupted, flags, kill_job, start_job, step_dir
+from ch04_runs import NAME, SCRIPT, THREADS, assert_same_as_uninterrupted, flags, resume, start_held, step_dir
 from conftest import run, torchrun_cmd
-from warm import children
+from procs import children, kill_job
 
 SIGNALLED_AFTER = 3  # steps logged before the signals go out
 
@@ -37,26 +36,20 @@ def as_slurm_does(pids: list[int], sig: int):
         time.sleep(random.uniform(0, 0.1))
 
 
-@pytest.mark.parametrize("how, nproc", [("SIGTERM-to-every-process", 3),  # SLURM
-                                         ("SIGINT-to-the-group", 2)])  # a terminal's Ctrl-C
-@pytest.mark.long
-def test_a_stop_signal_to_the_whole_job_saves_and_the_rerun_continues_exactly(tmp_path, request, how, nproc):
-    reference = request.getfixturevalue("uninterrupted")[1] if nproc == 2 else \
-        request.getfixturevalue("uninterrupted_on_3_ranks")
+@pytest.mark.launch
+def test_sigterm_to_every_process_of_the_job_saves_and_the_rerun_continues_exactly(
+        tmp_path, uninterrupted_on_3_ranks):
+    nproc, reference = 3, uninterrupted_on_3_ranks
     save_dir = tmp_path / "stopped"
     cmd = torchrun_cmd(nproc, SCRIPT, *flags(save_dir, "--ckpt-freq", 100))
     metrics = save_dir / NAME / "metrics.jsonl"
-    job = start_job(cmd, tmp_path / "job.log", warm=False, env=SPARE_CORES,
-                    until=lambda: metrics.exists() and metrics.read_text().count("\n") >= SIGNALLED_AFTER)
+    job, held = start_held(cmd, tmp_path / "job.log", metrics, SIGNALLED_AFTER)
     try:
-        assert job.poll() is None, (tmp_path / "job.log").read_text()[-3000:]
         procs = job_processes(job.pid)
         # torchrun, its trainers and each trainer's DataLoader worker (the default --num-workers)
         assert len(procs) == 1 + 2 * nproc, procs
-        if how.startswith("SIGTERM"):
-            as_slurm_does(procs, signal.SIGTERM)
-        else:
-            os.killpg(job.pid, signal.SIGINT)  # a terminal's Ctrl-C
+        as_slurm_does(procs, signal.SIGTERM)
+        resume(held)
         job.wait(timeout=90)
     finally:
         kill_job(job.pid)
@@ -72,6 +65,6 @@ def test_a_stop_signal_to_the_whole_job_saves_and_the_rerun_continues_exactly(tm
     assert out.count("Traceback") <= 1 and "train_llm.py" not in out.split("Traceback")[-1], out[-3000:]
     assert (save_dir / NAME / "checkpoints" / "latest").read_text() == step_dir(step)
 
-    proc = run(cmd, timeout=120)
+    proc = run(cmd, timeout=120, env=THREADS)
     assert f"resumed from {save_dir / NAME / 'checkpoints' / step_dir(step)}: step {step}" in proc.stdout
     assert_same_as_uninterrupted(save_dir / NAME, reference)

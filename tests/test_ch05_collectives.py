@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, chapter_module, load_script, python_cmd, read_json, run, torchrun_cmd
+from conftest import REPO, chapter_module, load_script, python_cmd, read_json, run, run_warm, torchrun_cmd
 from pages import readme_command
 from common.data import DEFAULT_VOCAB_SIZE
 sharding = chapter_module("05-collectives", "sharding")
@@ -145,7 +145,7 @@ def test_bad_flags_exit_2_as_a_process(tmp_path, script, argv, message):
     save = tmp_path / "out"
     extra = [] if script == DEMO else ["--save-dir", save]
     env = TORCHRUN_ENV if argv else {}
-    proc = run(python_cmd(script, *argv, *extra), check=False, timeout=60, env=env)
+    proc = run_warm(python_cmd(script, *argv, *extra), check=False, timeout=60, env=env)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
@@ -158,14 +158,13 @@ def test_bad_flags_exit_2_as_a_process(tmp_path, script, argv, message):
 @pytest.mark.parametrize("nproc, flags", [(2, []), (3, []), (3, ["--emulate"])],
                          ids=["2-ranks", "3-ranks", "3-ranks-emulated"])
 def test_every_collective_is_correct(nproc, flags):
-    """On 2 ranks under torchrun itself; on 3, the README's two commands as written,
-    through the warm launcher."""
+    """On 2 ranks; on 3, the README's two commands, their ranks started warm."""
     if nproc == 2:
-        proc = run(torchrun_cmd(nproc, DEMO), timeout=180, warm=False)
+        proc = run_warm(torchrun_cmd(nproc, DEMO), timeout=180)
     elif flags:
-        proc = run(readme_command("05-collectives/README.md", "nproc-per-node=3 05-collectives/collectives_demo.py --emulate"))
+        proc = run_warm(readme_command("05-collectives/README.md", "nproc-per-node=3 05-collectives/collectives_demo.py --emulate"))
     else:
-        proc = run(readme_command("05-collectives/README.md",
+        proc = run_warm(readme_command("05-collectives/README.md",
                                   "torchrun --standalone --nproc-per-node=3 05-collectives/collectives_demo.py"))
     out = proc.stdout
     for title in TITLES:
@@ -186,17 +185,18 @@ def test_every_collective_is_correct(nproc, flags):
 
 
 def test_one_op_only():
-    proc = run(torchrun_cmd(2, DEMO, "--op", "reduce_scatter"), timeout=120)
+    proc = run_warm(torchrun_cmd(2, DEMO, "--op", "reduce_scatter"), timeout=120)
     assert "=== reduce_scatter (sum) ===" in proc.stdout
     assert "=== all_reduce" not in proc.stdout
     assert "all 1 collective(s) gave the expected result on all 2 ranks" in proc.stdout
 
 
+@pytest.mark.launch
 @pytest.mark.waits
 def test_a_skipped_collective_times_out_instead_of_hanging():
     timeout = 3
-    proc = run(torchrun_cmd(2, DEMO, "--timeout-demo", "--timeout", timeout), check=False, timeout=120,
-               warm=False)  # torchrun's own report of the workers' status
+    proc = run(torchrun_cmd(2, DEMO, "--timeout-demo", "--timeout", timeout), check=False,
+               timeout=120)  # the real torchrun: its own report of the workers' status
     # the root cause is rank 0's own status, as the README promises: 1, not a signal from
     # a broken group's teardown at exit (gloo's threads aborted it in one run of three
     # when main returned instead of leaving with os._exit)
@@ -216,9 +216,9 @@ def test_benchmark_refuses_buffers_that_do_not_fit(tmp_path):
     """Checked after set_device (each rank its own GPU; here: the machine's RAM for both
     ranks), before any buffer or folder exists: one line from rank 0, exit status 2."""
     save = tmp_path / "out"
-    proc = run(torchrun_cmd(2, BENCH, "--max-bytes", str(2**44), "--save-dir", save), check=False,
-               timeout=120, warm=False)  # torchrun's own report of the workers' status
-    assert proc.returncode != 0 and "Root Cause" in proc.stderr and "exitcode  : 2" in proc.stderr
+    proc = run_warm(torchrun_cmd(2, BENCH, "--max-bytes", str(2**44), "--save-dir", save), check=False,
+                    timeout=120)
+    assert proc.returncode == 2, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, proc.stderr
     assert errors[0].startswith(f"error: --max-bytes {2**44}: the largest buffers need about 98304.0 GiB on "
@@ -229,7 +229,7 @@ def test_benchmark_refuses_buffers_that_do_not_fit(tmp_path):
 
 
 def test_benchmark_writes_busbw_with_the_right_factors(tmp_path):
-    proc = run(torchrun_cmd(3, BENCH, "--max-bytes", "16384", "--min-bytes", "4096", "--iters", "3",
+    proc = run_warm(torchrun_cmd(3, BENCH, "--max-bytes", "16384", "--min-bytes", "4096", "--iters", "3",
                             "--warmup", "1", "--save-dir", tmp_path, "--experiment-name", "b"),
                timeout=180)
     assert "| op" in proc.stdout and "busbw (GB/s)" in proc.stdout
@@ -261,7 +261,7 @@ def test_benchmark_writes_busbw_with_the_right_factors(tmp_path):
 def test_ddp_from_scratch_equals_ddp_bit_for_bit_on_2_ranks(tmp_path):
     """data-parallel.md's command with 1 MiB buckets (4 MiB there: the tiny preset's 4.4 MiB
     of gradients would fill two)."""
-    proc = run([*readme_command("05-collectives/data-parallel.md", "--bucket-mb 4"), "--model-preset", "tiny",
+    proc = run_warm([*readme_command("05-collectives/data-parallel.md", "--bucket-mb 4"), "--model-preset", "tiny",
                 "--seq-length", "64", "--batch-size", "4", "--steps", "2", "--bucket-mb", "1",
                 "--save-dir", tmp_path, "--experiment-name", "s"], timeout=240)
     assert "| naive" in proc.stdout and "tokens/s" in proc.stdout
@@ -318,7 +318,7 @@ def test_ddp_from_scratch_matches_ddp_to_rounding_on_3_and_4_ranks(tmp_path, npr
     which this test does not read, runs only the one step the script requires."""
     command = readme_command("05-collectives/data-parallel.md", "nproc-per-node=3 05-collectives/ddp_from_scratch.py") \
         if nproc == 3 else torchrun_cmd(nproc, SCRATCH, *TINY_4_RANKS)
-    proc = run([*command, "--save-dir", tmp_path, "--experiment-name", "s"], timeout=300)
+    proc = run_warm([*command, "--save-dir", tmp_path, "--experiment-name", "s"], timeout=300)
     assert "OK: every mode's parameters equal DDP's" in proc.stdout
     result = read_json(tmp_path / "s" / "ddp_from_scratch.json")
     assert result["passed"] and result["world_size"] == nproc

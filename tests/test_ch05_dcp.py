@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import free_port, load_script, run, run_folder_held, torchrun_cmd
+from conftest import free_port, load_script, run_warm, run_folder_held, torchrun_cmd
 
 SCRIPT = "05-collectives/sharded_checkpoint.py"
 ckpt = load_script(SCRIPT)
@@ -28,7 +28,7 @@ STEP = "step-00000002"
 
 
 def launch(nproc, save_dir, name, *args, check=True):
-    return run(torchrun_cmd(nproc, SCRIPT, *TINY, "--save-dir", save_dir, "--experiment-name", name, *args),
+    return run_warm(torchrun_cmd(nproc, SCRIPT, *TINY, "--save-dir", save_dir, "--experiment-name", name, *args),
                check=check, timeout=240)
 
 
@@ -79,7 +79,7 @@ def test_the_proofs_own_gather_equals_torchs_on_three_ranks():
     """Over gloo with CUDA tensors torch's DTensor gather crashes (05-collectives/proof.py), so the
     proofs gather fully_shard's shards themselves there. On CPUs both work: ours must give
     what torch's gives, for shards of uneven and empty size and for the whole state."""
-    proc = run(torchrun_cmd(3, Path(__file__).parent / "ch05_full_state.py"))
+    proc = run_warm(torchrun_cmd(3, Path(__file__).parent / "ch05_full_state.py"))
     assert "rank 0 same: " in proc.stdout and "differs" not in proc.stdout, proc.stdout
 
 
@@ -204,7 +204,7 @@ def test_a_second_job_with_the_same_name_is_refused_not_colliding(tmp_path):
     --experiment-name stops on every rank with the one line, instead of writing into the
     first one's .tmp- folders (both then failed, with a "free some space" line)."""
     with run_folder_held(tmp_path / "same") as holder:
-        proc = run(torchrun_cmd(2, SCRIPT, *TINY, "--save-dir", tmp_path, "--experiment-name", "same"),
+        proc = run_warm(torchrun_cmd(2, SCRIPT, *TINY, "--save-dir", tmp_path, "--experiment-name", "same"),
                    check=False)
         assert proc.returncode != 0, proc.stderr[-3000:]  # torchrun's status: 1 for any failed rank
         errors = [line for line in proc.stderr.splitlines() if "error: " in line]

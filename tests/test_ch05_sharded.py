@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, chapter_module, load_script, python_cmd, read_json, run, run_folder_held, torchrun_cmd
+from conftest import REPO, chapter_module, load_script, python_cmd, read_json, run_warm, run_folder_held, torchrun_cmd
 from pages import readme_command
 
 SCRIPT = "05-collectives/sharded_from_scratch.py"
@@ -226,7 +226,7 @@ def test_bad_flags_exit_2_with_one_line(tmp_path, monkeypatch, capsys, argv, mes
 def test_bad_flags_exit_2_as_a_process(tmp_path):
     """As a user runs it (python, not torchrun): exit status 2, one line, nothing else."""
     save = tmp_path / "out"
-    proc = run(python_cmd(SCRIPT, "--modes", "ddp,zero2", "--save-dir", save), check=False, timeout=60)
+    proc = run_warm(python_cmd(SCRIPT, "--modes", "ddp,zero2", "--save-dir", save), check=False, timeout=60)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "unknown zero2" in lines[0], proc.stderr
@@ -248,7 +248,7 @@ def assert_the_plan_matches(result):
 
 
 def run_script(tmp_path, command, *flags):
-    proc = run([*command, *flags, "--save-dir", tmp_path, "--experiment-name", "s"], timeout=240)
+    proc = run_warm([*command, *flags, "--save-dir", tmp_path, "--experiment-name", "s"], timeout=240)
     return proc, read_json(tmp_path / "s" / "sharded_from_scratch.json")
 
 
@@ -328,7 +328,7 @@ def test_a_wrong_update_on_one_rank_fails_the_proof(tmp_path):
     the same large lr that passes above: FAILED, exit 1, for zero1 only, not for DDP
     beside it. (zero3 and fsdp2 share no code with ZeRO1.after_backward and pass at this
     lr and world size above: running them here too would prove nothing new.)"""
-    proc = run(torchrun_cmd(3, REPO / "tests" / "ch05_wrong_zero1.py", *TINY, *UNTIMED, "--lr", "0.1",
+    proc = run_warm(torchrun_cmd(3, REPO / "tests" / "ch05_wrong_zero1.py", *TINY, *UNTIMED, "--lr", "0.1",
                             "--modes", "ddp,zero1", "--save-dir", tmp_path, "--experiment-name", "w"),
                check=False, timeout=240)
     assert proc.returncode != 0
@@ -348,7 +348,7 @@ def test_a_second_job_with_the_same_name_is_refused_not_overwriting(tmp_path):
     job with the same --experiment-name stops on every rank with the one line, instead of
     overwriting the first one's report at its end."""
     with run_folder_held(tmp_path / "same") as holder:
-        proc = run(torchrun_cmd(2, SCRIPT, *TINY, "--steps", 2, "--proof-steps", 1, "--timing-warmup", 1,
+        proc = run_warm(torchrun_cmd(2, SCRIPT, *TINY, "--steps", 2, "--proof-steps", 1, "--timing-warmup", 1,
                                 "--save-dir", tmp_path, "--experiment-name", "same"), check=False)
         assert proc.returncode != 0, proc.stderr[-3000:]  # torchrun's status: 1 for any failed rank
         errors = [line for line in proc.stderr.splitlines() if "error: " in line]

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from conftest import chapter_module, load_script, read_json, run
+from conftest import chapter_module, load_script, read_json, run_warm
 from pages import readme_command
 timeline = chapter_module("05-collectives", "timeline")
 
@@ -22,7 +22,7 @@ SIZES = ["--model-preset", "small", "--seq-length", "64", "--batch-size", "2"]
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory):
     save_dir = tmp_path_factory.mktemp("timeline")
-    proc = run([*readme_command("05-collectives/overlap.md", "nproc-per-node=2 05-collectives/overlap_timeline.py"),
+    proc = run_warm([*readme_command("05-collectives/overlap.md", "nproc-per-node=2 05-collectives/overlap_timeline.py"),
                 *SIZES, "--modes", "naive,ch03-ddp", "--save-dir", save_dir, "--experiment-name", "t"])
     return proc, save_dir / "t"
 

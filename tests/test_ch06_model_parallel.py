@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from conftest import CH01_STEPS, NO_GPU, REPO, TINY, free_port, load_script, python_cmd, read_json, read_jsonl, \
-    refused, run, start, torchrun_cmd
+    refused, run_warm, start, torchrun_cmd
 from common.model import LlamaConfig
 from pages import readme_command
-from warm import kill_launch
+from procs import kill_job
 from tools import plan
 
 SCRIPT = "06-model-parallel/train_llm.py"
@@ -116,7 +116,7 @@ def test_a_layout_that_does_not_fit_is_one_line_and_exit_2(tmp_path, monkeypatch
 
 def prove(tmp_path, command, *flags):
     """The README's prove.py command (`command`), a small sequence, on the suite's budget."""
-    proc = run([*command, "--seq-length", 32, "--batch-size", 4, *flags, "--save-dir", tmp_path,
+    proc = run_warm([*command, "--seq-length", 32, "--batch-size", 4, *flags, "--save-dir", tmp_path,
                 "--experiment-name", "proof"], timeout=300)
     return proc, read_json(tmp_path / "proof" / "prove.json")
 
@@ -190,7 +190,7 @@ def test_a_wrong_step_fails_the_proof(tmp_path, spoil, times):
     nothing replicated over tp ranks) still passes."""
     wrapper = tmp_path / "spoiled.py"
     wrapper.write_text(SPOILED)
-    proc = run(torchrun_cmd(2, wrapper, REPO, spoil, REPO / PROVE, "--model-preset", "tiny", "--seq-length", 32,
+    proc = run_warm(torchrun_cmd(2, wrapper, REPO, spoil, REPO / PROVE, "--model-preset", "tiny", "--seq-length", 32,
                             "--batch-size", 4, "--proof-steps", 1, "--layouts", "tp2-scratch,pp2-1f1b-scratch",
                             "--save-dir", tmp_path, "--experiment-name", "wrong"), check=False, timeout=300)
     assert proc.returncode != 0
@@ -215,7 +215,7 @@ def test_tp2_pp2_training_logs_chapter_01s_losses(ch01_smoke, tmp_path):
     whose sum over the 0.5M-element head gradient is itself off by about 6e-5 here (this
     chapter adds the squares in fp64). The saved weights within chapter 03's bounds."""
     _, ref_dir, ref, _ = ch01_smoke
-    proc = run([*readme_command(
+    proc = run_warm([*readme_command(
                 PAGE, "torchrun --standalone --nproc-per-node=4 06-model-parallel/train_llm.py --tp 2 --pp 2"), *TINY,
                 "--max-steps", CH01_STEPS, "--microbatches", 2, "--save-dir", tmp_path, "--experiment-name", "ch06"],
                env=NO_GPU)
@@ -244,7 +244,7 @@ def measured(tmp_path_factory):
     one a micro-batch is too short for the bubble to show); a vocabulary of 501 splits
     unevenly over 2 tp ranks (251 and 250 rows)."""
     out = tmp_path_factory.mktemp("measure")
-    run([*readme_command(PAGE, "06-model-parallel/measure.py"), "--seq-length", 32, "--steps", 2,
+    run_warm([*readme_command(PAGE, "06-model-parallel/measure.py"), "--seq-length", 32, "--steps", 2,
          "--vocab-size", 501, "--save-dir", out, "--experiment-name", "m"], timeout=300)
     return out / "m"
 
@@ -297,6 +297,7 @@ def test_the_planner_says_what_each_rank_holds_and_all_reduces_to_the_byte(measu
 
 # ------------------------------------------------------------------ a lost stage
 
+@pytest.mark.launch
 def test_a_lost_stage_ends_the_other_with_one_line_within_the_timeout(tmp_path):
     """Two machines, one pipeline stage each: two processes that meet at MASTER_ADDR and
     MASTER_PORT, as the workers of two torchruns do. The machine of stage 1 dies whole
@@ -315,13 +316,13 @@ def test_a_lost_stage_ends_the_other_with_one_line_within_the_timeout(tmp_path):
             assert time.monotonic() < deadline and all(n.poll() is None for n in nodes), \
                 "\n".join(log.read_text()[-3000:] for log in logs)
             time.sleep(0.2)
-        kill_launch(nodes[1].pid)  # the whole machine of stage 1
+        kill_job(nodes[1].pid)  # the whole machine of stage 1
         lost_at = time.monotonic()
         assert nodes[0].wait(timeout=timeout + 60) != 0, logs[0].read_text()[-3000:]
         took = time.monotonic() - lost_at
     finally:
         for node in nodes:
-            kill_launch(node.pid)
+            kill_job(node.pid)
     out = logs[0].read_text()
     errors = [line for line in out.splitlines() if line.startswith("error: rank 0: a peer ")]
     assert len(errors) == 1 and "Traceback" not in out, out[-3000:]

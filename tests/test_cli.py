@@ -22,8 +22,8 @@ from common.cli import base_parser, check_args
 from common.demos import script_parser
 from common.distributed import BACKEND_ENV, backend_for, gpu_sharing_error
 from common.errors import UsageError, fail, run_main
-from conftest import REPO, TINY, chapter_module, load_script, python_cmd, refused, run, start, torchrun_cmd
-from warm import children, kill_launch
+from conftest import REPO, TINY, chapter_module, load_script, python_cmd, refused, run, run_warm, start, torchrun_cmd
+from procs import children, kill_job
 
 
 def parse(save_dir, *argv, **kwargs):
@@ -386,7 +386,7 @@ def main():
     raise EOFError  # the pipe the worker held, as in the real case
 run_main(main)
 """)
-    proc = run([sys.executable, script], check=False)
+    proc = run_warm([sys.executable, script], check=False)
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
     assert proc.stderr.startswith("error: a DataLoader worker died (DataLoader worker (pid 12345) is killed "
                                   "by signal: Killed)"), proc.stderr
@@ -458,11 +458,12 @@ def test_bad_flags_of_torchrun_scripts_are_refused_with_one_line(tmp_path, capsy
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.launch
 def test_bad_flag_under_torchrun_always_shows_its_line(tmp_path):
     """End to end, under torchrun with 2 processes: whichever rank exits first, the error
     line is there (rank 1 waits for rank 0 to speak). Tried 20 times by hand; once here."""
     proc = run(torchrun_cmd(2, "03-ddp/train_llm.py", "--batch-size", 0, "--save-dir", tmp_path),
-               warm=False, check=False, timeout=120)  # torchrun itself
+               check=False, timeout=120)  # the real torchrun
     assert "exitcode  : 2" in proc.stderr  # rank 0 exits with status 2; torchrun stops the other
     # the shell gets torchrun's own status, after its report (what the READMEs say)
     assert proc.returncode == 1 and "ChildFailedError" in proc.stderr
@@ -579,6 +580,7 @@ def test_the_start_up_lines_are_the_same_in_every_chapter_script():
     assert len(set(blocks)) == 1 and "pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])" in blocks[0], blocks
 
 
+@pytest.mark.launch
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("launch", ["python", "torchrun"])
 def test_ctrl_c_while_torch_is_imported_is_one_line(tmp_path, launch):
@@ -591,7 +593,7 @@ def test_ctrl_c_while_torch_is_imported_is_one_line(tmp_path, launch):
         cmd, interpreters = python_cmd(CHAPTER_SCRIPTS[0], *TINY, "--save-dir", tmp_path), 1
     else:
         cmd, interpreters = torchrun_cmd(2, CHAPTER_SCRIPTS[2], *TINY, "--save-dir", tmp_path), 2
-    job = start(cmd, tmp_path / "log", warm=False, fresh_workers=True)
+    job = start(cmd, tmp_path / "log")
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -602,7 +604,7 @@ def test_ctrl_c_while_torch_is_imported_is_one_line(tmp_path, launch):
         os.killpg(job.pid, signal.SIGINT)  # a terminal's Ctrl-C
         job.wait(timeout=120)
     finally:
-        kill_launch(job.pid)
+        kill_job(job.pid)
     out = (tmp_path / "log").read_text()
     lines = [line for line in out.splitlines() if line.strip()]
     said = [line for line in lines if line.startswith("interrupted (Ctrl-C): ")]

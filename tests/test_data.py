@@ -22,7 +22,7 @@ from common.data import (BOT, EOT, IGNORE_INDEX, PAD, SPECIAL_TOKENS, DataError,
                          PaddedDataset, build_datasets, check_enough_samples, get_tokenizer,
                          load_tokenizer, open_corpus, split_mask, stdlib_files, token_cache_path,
                          token_dtype, token_files)
-from conftest import TINY, free_port, python_cmd, run
+from conftest import TINY, free_port, python_cmd, run_warm
 
 VOCAB = 300
 DOCS = {  # relative path -> text; one document per file, several lines each
@@ -363,7 +363,7 @@ def test_unreadable_local_files_are_one_line_data_errors(tmp_path, name, content
         script = tmp_path / "open_it.py"
         script.write_text(f"from common.data import DataError, open_corpus\ntry:\n    open_corpus({str(path)!r}).dataset\n"
                           f"except DataError:\n    pass\n")
-        proc = run([sys.executable, script])  # a process of its own, as a chapter's
+        proc = run_warm([sys.executable, script])  # a process of its own, as a chapter's
         assert proc.stderr == "", proc.stderr
 
 
@@ -623,7 +623,7 @@ def test_token_ids_beyond_the_vocabulary_stop_the_chapter_with_one_line(guide_ca
     tokens[:-1:50] = 60000
     tokens.flush()
     del tokens
-    proc = run(python_cmd("01-single-gpu/train_llm.py", *TINY, "--max-steps", 2, "--cache-dir",
+    proc = run_warm(python_cmd("01-single-gpu/train_llm.py", *TINY, "--max-steps", 2, "--cache-dir",
                           tmp_path / "cache", "--save-dir", tmp_path / "out"), check=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.splitlines() == [

@@ -37,7 +37,8 @@ import signal
 import pytest
 import torch
 
-from ch04_runs import SCRIPT as CH04, NAME, STEPS as CH04_STEPS, flags as ch04_flags, kill_job, start_job, step_dir, train as ch04_train
+from ch04_runs import SCRIPT as CH04, NAME, STEPS as CH04_STEPS, flags as ch04_flags, start_job, step_dir, train as ch04_train
+from procs import kill_job
 from common.environment import device_name
 from common.files import write_json
 from common.peak_flops import datasheet_peak
@@ -47,7 +48,7 @@ from conftest import TINY, python_cmd, read_json, read_jsonl, run, torchrun_cmd
 # fp32) at small sizes, so that what the tests themselves do (flags, file names, the keys
 # they read and record) has run once before time on a GPU is spent on it.
 REHEARSAL = os.environ.get("LLM_GUIDE_GPU_REHEARSAL") == "1" and not torch.cuda.is_available()
-pytestmark = [pytest.mark.gpu,
+pytestmark = [pytest.mark.gpu, pytest.mark.launch,  # every launch as a reader makes it
               pytest.mark.skipif(not torch.cuda.is_available() and not REHEARSAL,
                                  reason="needs a CUDA GPU (run `python -m pytest -q -m gpu tests/` "
                                         "on a GPU machine)")]
@@ -83,16 +84,6 @@ CH05_TINY = ["--model-preset", "tiny", "--seq-length", "64", "--batch-size", "4"
 
 
 # ---------------------------------------------------------------- bookkeeping
-
-@pytest.fixture(scope="module", autouse=True)
-def cold_launches():
-    """Every launch as a reader makes it, a fresh interpreter (python, torchrun), not the
-    CPU suite's warm one (tests/zygote.py), which forks a process that imported torch: a
-    CUDA driver that anything in that parent initialised does not survive a fork."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("LLM_GUIDE_COLD_LAUNCH", "1")
-        yield
-
 
 @pytest.fixture(scope="session")
 def record():
@@ -377,7 +368,7 @@ def test_chapter_04_sigterm_saves_and_the_rerun_continues_bit_for_bit(tmp_path, 
     cmd = [str(c) for c in torchrun_cmd(2, CH04, *ch04_flags(tmp_path, "--max-steps", GLOO_STEPS,
                                                              "--ckpt-freq", 100, "--deterministic"))]
     metrics = tmp_path / NAME / "metrics.jsonl"
-    job = start_job(cmd, tmp_path / "job.log", env=GLOO, warm=False,  # torchrun itself
+    job = start_job(cmd, tmp_path / "job.log", env=GLOO,
                     until=lambda: metrics.exists() and metrics.read_text().count("\n") >= 5)
     os.killpg(job.pid, signal.SIGTERM)
     try:

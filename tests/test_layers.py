@@ -94,9 +94,9 @@ def dotted(node) -> str | None:
 
 def test_no_file_reaches_a_torch_module_it_did_not_import():
     """`torch.distributed.checkpoint.save(...)` works only where something imported
-    torch.distributed.checkpoint first. Most launches in this suite are forks of an
-    interpreter that has imported many of torch's modules (tests/zygote.py), where a
-    missing import would go unseen, and fail for a reader. So every use of a torch
+    torch.distributed.checkpoint first. The suite's warm ranks are forks of an interpreter
+    that has imported many of torch's modules (tests/warm.py), where a missing import
+    would go unseen, and fail for a reader. So every use of a torch
     module through attributes (`torch.x.y`, or `dist.x` after `import torch.distributed
     as dist`) must name a module that the file imports, or that `import torch` loads."""
     import importlib.util

@@ -14,7 +14,7 @@ import torch
 import common.peak_flops as peak
 from tools.peak import main as peak_command
 from common.peak_flops import cache_key, datasheet_peak, device_peak, measured_peak
-from conftest import run
+from conftest import run_warm
 
 
 @pytest.mark.parametrize("name, precision, tflops", [
@@ -74,7 +74,7 @@ def test_matmul_precision_follows_dtype_and_tf32_setting():
         assert torch.backends.mkldnn.matmul.fp32_precision == "none"   # CPU matmuls untouched
         print("ok")
     """
-    assert run([sys.executable, "-c", code]).stdout.strip() == "ok"
+    assert run_warm([sys.executable, "-c", code]).stdout.strip() == "ok"
 
 
 def test_a_known_gpu_uses_its_datasheet_and_measures_nothing(monkeypatch, tmp_path):

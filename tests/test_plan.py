@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from conftest import REPO, chapter_module, run
+from conftest import REPO, chapter_module, run_warm
 from tools import plan
 from common.model import LlamaForCausalLM, get_config, num_parameters
 from common.training import build_optimizer
@@ -224,11 +224,11 @@ def test_absurd_sizes_answer_at_once():
     line; a million ranks of a 10,000-layer model are planned without a loop per rank.
     Both used to run for hours (in a process of their own here, so that a regression
     fails on the timeout instead of hanging the suite)."""
-    proc = run([sys.executable, "-m", "tools.plan", "--model-preset", "small", "--layers", "100000000"],
+    proc = run_warm([sys.executable, "-m", "tools.plan", "--model-preset", "small", "--layers", "100000000"],
                timeout=120, check=False)
     assert proc.returncode == 2 and proc.stdout == "", proc.stderr
     assert proc.stderr.splitlines() == ["error: --layers 100,000,000: the plan handles at most 10,000"]
-    proc = run([sys.executable, "-m", "tools.plan", "--model-preset", "small", "--layers", "10000",
+    proc = run_warm([sys.executable, "-m", "tools.plan", "--model-preset", "small", "--layers", "10000",
                 "--gpus-per-node", "1000", "--nodes", "1000"], timeout=120)
     assert "1000000 ranks (1000 x 1000 GPUs)" in proc.stdout
     assert all(len(re.findall(rf"^\| {mode} ", proc.stdout, flags=re.M)) == 3 for mode in plan.MODES)

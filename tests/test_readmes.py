@@ -165,6 +165,7 @@ def fast_argv(command: str, save_dir: Path) -> tuple[list[str], dict]:
     return argv, parts["env"]
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("page", [p for p in PAGES if page_commands(p)], ids=lambda p: str(p.relative_to(REPO)))
 def test_every_command_runs_as_written(page, tmp_path):
     """Each command a page shows runs (its size made small by flags appended), once

@@ -19,7 +19,7 @@ from tools import report
 from common.files import write_json
 from common.metrics import build_summary
 from common.timing import PHASES
-from conftest import run
+from conftest import run_warm
 from test_metrics import stats_of
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -142,7 +142,7 @@ def test_report_in_process(runs_dir, tmp_path, capsys):
 def test_report_subprocess_default_out_and_single_device(runs_dir):
     """As a reader runs it; one RUN_DIR → files land there; one device → no warning."""
     only_cpu = runs_dir / "a"
-    proc = run([sys.executable, "-m", "tools.report", only_cpu])
+    proc = run_warm([sys.executable, "-m", "tools.report", only_cpu])
     rows = table_rows(proc.stdout)
     assert len(rows) == 2
     assert "warning" not in proc.stdout and proc.stderr == ""
@@ -462,6 +462,6 @@ def test_a_fifo_named_summary_json_is_never_opened(runs_dir):
     fifo = runs_dir / "c" / "pipe" / "summary.json"
     fifo.parent.mkdir(parents=True)
     os.mkfifo(fifo)
-    proc = run([sys.executable, "-m", "tools.report", runs_dir, "--out", runs_dir / "r"], timeout=120)
+    proc = run_warm([sys.executable, "-m", "tools.report", runs_dir, "--out", runs_dir / "r"], timeout=120)
     assert len(table_rows(proc.stdout)) == 3
     assert proc.stderr.splitlines() == [f"warning: skipping {fifo}: not a regular file, not opened"]

@@ -13,7 +13,7 @@ import pytest
 from tools import report, tour
 from tools.chapters import CHAPTERS
 from common.errors import UsageError
-from conftest import REPO, run, run_folder_held
+from conftest import REPO, run, run_folder_held, run_warm
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -131,7 +131,7 @@ def test_an_out_folder_that_cannot_be_written_is_refused_before_any_work(tmp_pat
     assert "Read-only file system" in captured.err and not (tmp_path / "tour").exists()
 
 def test_bad_flag_from_the_command_line(tmp_path):
-    proc = run([sys.executable, "-m", "tools.tour", "--chapters", "01,07"], check=False)
+    proc = run_warm([sys.executable, "-m", "tools.tour", "--chapters", "01,07"], check=False)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [
         "error: --chapters: unknown chapter '07'; choose from 01, 02, 03, 04, 05, 06 (or the folder names)"]
@@ -146,7 +146,7 @@ def test_non_empty_out_is_refused_and_dry_run_runs_nothing(tmp_path, capsys):
     assert [p.name for p in used.iterdir()] == ["keep.txt"]
 
     fresh = tmp_path / "fresh"
-    proc = run([sys.executable, "-m", "tools.tour", "--dry-run", "--out", fresh])
+    proc = run_warm([sys.executable, "-m", "tools.tour", "--dry-run", "--out", fresh])
     lines = [l for l in proc.stdout.splitlines() if l.startswith("[")]
     assert len(lines) == 10  # 01-04, 05's demo, benchmark, DDP and sharding from scratch, timeline, then 06
     assert lines[0].startswith("[1/6] 01-single-gpu: python 01-single-gpu/train_llm.py")
@@ -323,7 +323,7 @@ def test_the_terminal_gets_a_narrow_table_and_report_md_gets_everything(tmp_path
         if f.is_file():
             assert f"`{f.relative_to(out)}`" in md, f
 
-@pytest.mark.long
+@pytest.mark.launch
 def test_short_real_tour(tmp_path):
     """Two chapters run for real, one launched with python and one with torchrun (tiny
     sizes, 2 steps), then the report: table, plots, logs. Chapter 05's five scripts, each
@@ -352,6 +352,7 @@ def test_short_real_tour(tmp_path):
     assert "tour finished in" in stdout
 
 
+@pytest.mark.launch
 def test_a_chapter_added_to_the_list_is_in_the_tour_and_the_readme_checks(tmp_path):
     """A new chapter is its folder and one line in tools/chapters.py: in a copy of the
     repository with a throwaway chapter 07 (chapter 03's script, a README), the tour plans

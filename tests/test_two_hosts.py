@@ -23,12 +23,12 @@ import pytest
 # after the module's last test, nose-style)
 from tools.two_hosts import HostError, create_hosts, cut_link, host_pids, in_host, restore_link, \
     teardown as remove_hosts, torchrun_argv
-from ch04_runs import FREQ, NAME, assert_same_as_uninterrupted, flags as ch04_flags
+from ch04_runs import FREQ, NAME, THREADS, assert_same_as_uninterrupted, flags as ch04_flags
 from conftest import TINY, start
 
 CH03, CH04 = "03-ddp/train_llm.py", "04-checkpointing/train_llm.py"
 TIMEOUT = 8            # --timeout in the cable test (seconds; short, yet safe on a busy CI machine)
-MARGIN = 15            # seconds after --timeout by which every process must have ended
+MARGIN = 60            # seconds after --timeout by which every process must have ended
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 ports = itertools.count(29400)
 
@@ -58,8 +58,8 @@ def hosts(tmp_path_factory, guide_cache):
 def start_both(hosts, script, args, *, nproc=1, env=None, local_addrs=None, tag="run"):
     """Each host's torchrun, as a reader types it on two machines, with what
     tools.two_hosts.in_host gives it (the host's namespace, its cache, the repository as
-    the folder), through the suite's launcher (conftest.start: torchrun itself, inside
-    the namespace); output into a log file per host. Returns (jobs, log paths)."""
+    the folder): the real torchrun under `ip netns exec` (conftest.start); output into a
+    log file per host. Returns (jobs, log paths)."""
     port, procs, logs = next(ports), [], []
     for i in range(2):
         argv = torchrun_argv(hosts, i, script, list(map(str, args)), port=port,
@@ -69,7 +69,7 @@ def start_both(hosts, script, args, *, nproc=1, env=None, local_addrs=None, tag=
                     if a.startswith("--local-addr=") else a for a in argv]
             argv = [a for a in argv if a is not None]
         log = hosts.dirs[i] / f"{tag}-{port}.log"
-        procs.append(start(argv, log, warm=False, netns=hosts.names[i], env={
+        procs.append(start(argv, log, netns=hosts.names[i], env={
             "LLM_GUIDE_CACHE": str(hosts.cache(i)), "GLOO_SOCKET_IFNAME": hosts.ifname, **(env or {})}))
         logs.append(log)
     return procs, logs
@@ -111,48 +111,47 @@ def wait_for_step(metrics, step, procs, timeout=120):
 
 # ---- (a), (b) chapter 04 across two hosts with node-local checkpoints -------------------
 
+@pytest.mark.launch
 @pytest.mark.waits
 def test_ch04_on_two_hosts_cut_cable_then_resume_exactly(hosts, uninterrupted):
-    """(a) The cable is cut mid-training: every worker on both hosts ends soon after
-    --timeout, with one line each; torchrun on the host cut off from rank 0's may then wait
-    on its rendezvous for minutes, and is stopped as SLURM stops a job step (SIGTERM, then
-    SIGKILL: 04-checkpointing/README.md). (b) After the cable is back, the rerun resumes
-    from the checkpoint rank 0 (host 1) wrote and reads; host 2 receives it over the process
-    group and never holds a checkpoint on its own disk. It finishes with exactly the losses
-    and weights of chapter 04's uninterrupted run on one machine, 2 processes, the same
-    global batch (conftest's `uninterrupted`). (A SIGKILL of every process, then the rerun:
+    """(a) The cable is cut mid-training: every process on both hosts ends by itself soon
+    after --timeout, the workers with one line each; the torchrun cut off from the
+    rendezvous host, whose question to it would wait for TCP to give up (about 15
+    minutes), is stopped by the watcher its worker left (common.errors). Nothing is
+    signalled by the test. (b) After the cable is back, the rerun resumes from the
+    checkpoint rank 0 (host 1) wrote and reads; host 2 receives it over the process group
+    and never holds a checkpoint on its own disk. It finishes with exactly the losses and
+    weights of chapter 04's uninterrupted run on one machine, 2 processes, the same global
+    batch (conftest's `uninterrupted`). (A SIGKILL of every process, then the rerun:
     test_ch04_checkpointing.py, on one machine.)"""
     args = ch04_flags(None, "--timeout", TIMEOUT)  # chapter 04's test settings (tests/ch04_runs.py)
     ckpt1, ckpt2 = hosts.save_dir(0) / NAME / "checkpoints", hosts.save_dir(1) / NAME / "checkpoints"
     metrics = hosts.save_dir(0) / NAME / "metrics.jsonl"
 
     # (a) the cut cable
-    procs, logs = start_both(hosts, CH04, args, tag="cut")
+    procs, logs = start_both(hosts, CH04, args, tag="cut", env=THREADS)
     wait_for_step(metrics, FREQ + 2, procs)
     cut_link(hosts)
     t_cut = time.monotonic()
-    said = [None, None]  # when each host's worker said its line
-    while None in said and time.monotonic() - t_cut < TIMEOUT + MARGIN:
+    said, gone = [None, None], None  # when each host's worker said its line; when all had ended
+    while gone is None and time.monotonic() - t_cut < TIMEOUT + MARGIN:
         for i, log in enumerate(logs):
             if said[i] is None and "a peer stopped answering" in Path(log).read_text(errors="replace"):
                 said[i] = time.monotonic() - t_cut
-        time.sleep(0.05)
-    time.sleep(2)  # a worker that said its line is gone a moment later
-    workers_left = {n: set(host_pids(n)) - {p.pid for p in procs} for n in hosts.names}
-    for p in procs:  # what SLURM does to the job step (or a reader's Ctrl-C, then kill)
+        if not any(host_pids(n) for n in hosts.names):
+            gone = time.monotonic() - t_cut
+        time.sleep(0.1)
+    left = {n: host_pids(n) for n in hosts.names}
+    for p in procs:  # cleanup before the verdict
         if p.poll() is None:
-            p.terminate()
-            try:
-                p.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                p.kill()
+            p.kill()
     statuses, texts = wait_both(procs, logs, timeout=30)
     restore_link(hosts)
     print(show(texts))  # whole, under "Captured stdout" if an assert below fails (its message is cut short)
     print(f"\ncable cut after step {steps_logged(metrics)}, --timeout {TIMEOUT}: the workers said "
-          f"their line after {said} s")
-    assert None not in said and max(said) <= TIMEOUT + MARGIN, (said, show(texts))
-    assert not any(workers_left.values()), f"workers still running after their line: {workers_left}"
+          f"their line after {said} s; every process had ended after {gone} s")
+    assert gone is not None, f"still running {TIMEOUT + MARGIN} s after the cut: {left}\n{show(texts)}"
+    assert None not in said, show(texts)
     for text in texts:
         lines = [line for line in text.splitlines() if "a peer stopped answering" in line]
         assert len(lines) == 1 and lines[0].startswith("error: rank "), show(texts)
@@ -164,7 +163,7 @@ def test_ch04_on_two_hosts_cut_cable_then_resume_exactly(hosts, uninterrupted):
     assert not ckpt2.exists()  # rank 0 wrote the checkpoint, on host 1's disk only
 
     # (b) cable back: the rerun resumes, and finishes exactly as uninterrupted
-    statuses, texts = run_both(hosts, CH04, args, tag="rerun")
+    statuses, texts = run_both(hosts, CH04, args, tag="rerun", env=THREADS)
     assert statuses == [0, 0], show(texts)
     assert f"resumed from {ckpt1 / latest}" in texts[0], show(texts)
     assert not ckpt2.exists()
@@ -173,6 +172,7 @@ def test_ch04_on_two_hosts_cut_cable_then_resume_exactly(hosts, uninterrupted):
 
 # ---- (c) a wrong interface or address: every process ends on its own, one line each ----
 
+@pytest.mark.launch
 @pytest.mark.waits
 def test_a_wrong_interface_or_address_ends_on_its_own_with_one_line_each(hosts):
     """The two settings a reader gets by default on two machines: GLOO_SOCKET_IFNAME unset
@@ -202,6 +202,7 @@ def test_a_wrong_interface_or_address_ends_on_its_own_with_one_line_each(hosts):
     assert time.monotonic() - t0 < 5 * timeout + MARGIN
 
 
+@pytest.mark.launch
 def test_each_host_resolves_its_own_name_only(hosts):
     """Host names as on machines without DNS for each other (each one's /etc/hosts): the
     setting of the README's row "MASTER_ADDR=node1 ... does not resolve on this machine"."""
