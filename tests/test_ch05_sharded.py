@@ -21,7 +21,7 @@ from pages import readme_command
 
 SCRIPT = "05-collectives/sharded_from_scratch.py"
 sharded = load_script(SCRIPT)
-from tools import plan  # noqa: E402
+from common import sizing  # noqa: E402
 from common.model import LlamaConfig  # noqa: E402
 proof = chapter_module("05-collectives", "proof")
 sharding = chapter_module("05-collectives", "sharding")
@@ -239,11 +239,11 @@ def assert_the_plan_matches(result):
     """`python -m tools.plan` on the run's model and world (fp32, as the CPU runs time)
     says to the byte what every mode held per rank (the worst rank: padding and AdamW's
     step counters included) and sent per step, kind by kind."""
-    model, world = plan.llama(LlamaConfig(**result["model_config"])), result["world_size"]
+    model, world = sizing.llama(LlamaConfig(**result["model_config"])), result["world_size"]
     for mode, r in result["modes"].items():
-        held = plan.state_bytes(model, mode, world, plan.PRECISIONS["fp32"])
+        held = sizing.state_bytes(model, mode, world, sizing.PRECISIONS["fp32"])
         assert {k: r["bytes"][k] for k in held} == held, mode
-        sent = plan.sent_bytes(model, mode, world, plan.PRECISIONS["fp32"])
+        sent = sizing.sent_bytes(model, mode, world, sizing.PRECISIONS["fp32"])
         assert r["comm_sent_bytes_per_step"] == pytest.approx(sent, rel=1e-12), mode
 
 

@@ -17,19 +17,20 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from conftest import REPO, chapter_module, run_warm
+from common import sizing
 from tools import plan
 from common.model import LlamaForCausalLM, get_config, num_parameters
 from common.training import build_optimizer
 sharding = chapter_module("05-collectives", "sharding")
 
-FP32, BF16 = plan.PRECISIONS["fp32"], plan.PRECISIONS["bf16"]
+FP32, BF16 = sizing.PRECISIONS["fp32"], sizing.PRECISIONS["bf16"]
 
 
 @pytest.mark.parametrize("preset, vocab", [("tiny", 300), ("small", 8192)])
 def test_the_plans_model_is_common_model(preset, vocab):
     config = get_config(preset, vocab)
     model = LlamaForCausalLM(config)
-    m = plan.llama(config)
+    m = sizing.llama(config)
     units = [model.embed_tokens, *model.layers, model.norm, model.lm_head]
     assert m.units == [[tuple(p.shape) for p in u.parameters()] for u in units]
     assert m.num_params == num_parameters(model) and m.num_tensors == len(list(model.parameters()))
@@ -37,43 +38,43 @@ def test_the_plans_model_is_common_model(preset, vocab):
 
 def test_state_and_traffic_formulas():
     config = get_config("small", 8192)
-    m, n = plan.llama(config), plan.llama(config).num_params
-    ddp = plan.state_bytes(m, "ddp", 4, FP32)
+    m, n = sizing.llama(config), sizing.llama(config).num_params
+    ddp = sizing.state_bytes(m, "ddp", 4, FP32)
     assert (ddp["params"], ddp["grads"]) == (4 * n, 4 * n)
     assert ddp["optimizer"] == 8 * n + 4 * m.num_tensors  # both moments, one step counter per tensor
     s = -(-n // 4)
-    assert plan.state_bytes(m, "zero1", 4, FP32)["grads"] == 4 * (4 * s + s)  # full buffer + its slice
-    assert plan.state_bytes(m, "zero2", 4, FP32)["grads"] == 4 * s
+    assert sizing.state_bytes(m, "zero1", 4, FP32)["grads"] == 4 * (4 * s + s)  # full buffer + its slice
+    assert sizing.state_bytes(m, "zero2", 4, FP32)["grads"] == 4 * s
     for mode in ("zero1", "zero2", "zero3", "fsdp2"):  # 1/N of the optimizer state, up to padding
-        assert plan.state_bytes(m, mode, 4, FP32)["optimizer"] == pytest.approx(8 * n / 4, rel=1e-3), mode
+        assert sizing.state_bytes(m, mode, 4, FP32)["optimizer"] == pytest.approx(8 * n / 4, rel=1e-3), mode
     for mode in ("zero3", "fsdp2"):
-        held = plan.state_bytes(m, mode, 4, FP32)
+        held = sizing.state_bytes(m, mode, 4, FP32)
         assert held["params"] == held["grads"] == pytest.approx(n, rel=1e-3), mode
     # while a unit computes: zero3's largest module (the embedding, the head), fsdp2's root
     # unit (both, and the final norm)
-    assert plan.gathered_unit_bytes(m, "ddp", 4, FP32) == 0
-    assert plan.gathered_unit_bytes(m, "zero3", 4, FP32) == 8 * 8192 * 256
-    assert plan.gathered_unit_bytes(m, "fsdp2", 4, FP32) == 8 * (2 * 8192 * 256 + 256)
+    assert sizing.gathered_unit_bytes(m, "ddp", 4, FP32) == 0
+    assert sizing.gathered_unit_bytes(m, "zero3", 4, FP32) == 8 * 8192 * 256
+    assert sizing.gathered_unit_bytes(m, "fsdp2", 4, FP32) == 8 * (2 * 8192 * 256 + 256)
     # the ZeRO paper's mixed precision: 2 + 2 + 12 per parameter, the same 16 in all
-    assert sum(plan.state_bytes(m, "ddp", 4, BF16).values()) == sum(ddp.values())
-    assert plan.state_bytes(m, "zero1", 4, BF16)["optimizer"] == pytest.approx(12 * n / 4, rel=1e-3)
+    assert sum(sizing.state_bytes(m, "ddp", 4, BF16).values()) == sum(ddp.values())
+    assert sizing.state_bytes(m, "zero1", 4, BF16)["optimizer"] == pytest.approx(12 * n / 4, rel=1e-3)
     # traffic: the ring's 2(N-1)/N and 3(N-1)/N, less for fsdp2 (its root is gathered once)
     for world in (2, 3, 8, 64):
-        sent = {mode: sum(plan.sent_bytes(m, mode, world, FP32).values()) for mode in plan.MODES}
+        sent = {mode: sum(sizing.sent_bytes(m, mode, world, FP32).values()) for mode in sizing.MODES}
         for mode in ("ddp", "zero1", "zero2", "zero3"):
             assert sent[mode] == pytest.approx(sharding.textbook_sent_bytes(mode, 4 * n, world), rel=1e-3)
         assert sent["ddp"] < sent["fsdp2"] < sent["zero3"]
-        assert sum(plan.sent_bytes(m, "zero3", world, BF16).values()) == pytest.approx(sent["zero3"] / 2)
-    assert plan.sent_bytes(m, "ddp", 1, FP32) == {"all_reduce": 0.0}
+        assert sum(sizing.sent_bytes(m, "zero3", world, BF16).values()) == pytest.approx(sent["zero3"] / 2)
+    assert sizing.sent_bytes(m, "ddp", 1, FP32) == {"all_reduce": 0.0}
     # a parameter count alone: no padding; fsdp2 as zero3
-    alone = plan.count_only(7_000_000_000)
-    assert sum(plan.state_bytes(alone, "ddp", 8, FP32).values()) == 16 * 7_000_000_000 + 4
-    assert plan.state_bytes(alone, "fsdp2", 8, FP32)["params"] == 4 * 7_000_000_000 / 8
-    assert plan.sent_bytes(alone, "fsdp2", 8, FP32) == plan.sent_bytes(alone, "zero3", 8, FP32)
+    alone = sizing.count_only(7_000_000_000)
+    assert sum(sizing.state_bytes(alone, "ddp", 8, FP32).values()) == 16 * 7_000_000_000 + 4
+    assert sizing.state_bytes(alone, "fsdp2", 8, FP32)["params"] == 4 * 7_000_000_000 / 8
+    assert sizing.sent_bytes(alone, "fsdp2", 8, FP32) == sizing.sent_bytes(alone, "zero3", 8, FP32)
     # the checkpoint: rank 0 alone (ddp), or every node at once (sharded)
-    ckpt = plan.checkpoint_bytes(m)
-    assert plan.checkpoint_seconds(m, "ddp", 2, 16, 2.0, 100.0) == (ckpt / 2e9, ckpt / 2e9 + ckpt / 100e9)
-    assert plan.checkpoint_seconds(m, "fsdp2", 2, 16, 2.0, 100.0) == (ckpt / 4e9, ckpt / 4e9)
+    ckpt = sizing.checkpoint_bytes(m)
+    assert sizing.checkpoint_seconds(m, "ddp", 2, 16, 2.0, 100.0) == (ckpt / 2e9, ckpt / 2e9 + ckpt / 100e9)
+    assert sizing.checkpoint_seconds(m, "fsdp2", 2, 16, 2.0, 100.0) == (ckpt / 4e9, ckpt / 4e9)
 
 
 def test_checkpoint_bytes_are_the_training_state():
@@ -88,7 +89,7 @@ def test_checkpoint_bytes_are_the_training_state():
     optimizer.step()
     tensors = [*model.state_dict().values(),
                *(t for s in optimizer.state_dict()["state"].values() for t in s.values())]
-    assert sum(t.numel() * t.element_size() for t in tensors) == plan.checkpoint_bytes(plan.llama(config))
+    assert sum(t.numel() * t.element_size() for t in tensors) == sizing.checkpoint_bytes(sizing.llama(config))
 
 
 # ------------------------------------------------------------------ the activations
@@ -125,16 +126,16 @@ def test_the_activation_estimate_is_what_autograd_saves(precision):
     model = LlamaForCausalLM(config).to(torch.bfloat16 if precision == "bf16" else torch.float32)
     batch, seq = 2, 32
     x, y = torch.randint(0, 300, (2, batch, seq))
-    p = plan.PRECISIONS[precision]
+    p = sizing.PRECISIONS[precision]
     # The estimate is a GPU's. On a CPU, F.rms_norm on an fp32 stream also keeps its fp32
     # normalised x (on CUDA one fused kernel keeps only its input and 1/rms).
-    cpu_norm = plan.FP32 * config.hidden_size * batch * seq if p.stream == plan.FP32 else 0
+    cpu_norm = sizing.FP32 * config.hidden_size * batch * seq if p.stream == sizing.FP32 else 0
     full = saved_bytes(model, x, y, precision, checkpointing=False)
     norms = 2 * config.num_hidden_layers + 1
-    assert full - norms * cpu_norm == plan.activation_bytes(config, batch, seq, p, checkpointing=False)
+    assert full - norms * cpu_norm == sizing.activation_bytes(config, batch, seq, p, checkpointing=False)
     kept = saved_bytes(model, x, y, precision, checkpointing=True)  # each layer's input only
-    recomputed = plan.layer_activation_bytes(config, batch * seq, seq, p)  # one layer, in backward
-    assert kept - cpu_norm == plan.activation_bytes(config, batch, seq, p, checkpointing=True) - recomputed
+    recomputed = sizing.layer_activation_bytes(config, batch * seq, seq, p)  # one layer, in backward
+    assert kept - cpu_norm == sizing.activation_bytes(config, batch, seq, p, checkpointing=True) - recomputed
     assert kept < full / 3
 
 
@@ -147,8 +148,10 @@ def run_plan(argv, capsys) -> str:
 
 def test_with_tp_and_pp_the_command_prints_chapter_06s_layout(capsys):
     """8 ranks as dp 2 x pp 2 x tp 2: a row per stage, what its tp rank 0 holds (1F1B:
-    stage 0 holds 2 micro-batches, the last 1; GPipe: all 4) and sends.
-    06-model-parallel/measure.py holds these figures against what each rank really holds."""
+    stage 0 holds 2 micro-batches, the last 1; GPipe: all 4; and what it keeps at most
+    between operations: those micro-batches, the gradient just received, the running
+    loss) and sends. 06-model-parallel/measure.py holds these figures against what each
+    rank really holds and keeps."""
     argv = ["--model-preset", "tiny", "--vocab-size", "301", "--global-batch-size", "8", "--seq-length", "64",
             "--precision", "fp32", "--tp", "2", "--pp", "2"]
     out = run_plan(argv, capsys)
@@ -156,18 +159,19 @@ def test_with_tp_and_pp_the_command_prints_chapter_06s_layout(capsys):
            "1f1b schedule" in out
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines() if re.match(r"\| [01] ", line)]
     assert [r[:2] for r in rows[:2]] == [["0", "embedding, layer 0"], ["1", "layer 1, head"]]
-    c, fp32 = get_config("tiny", 301), plan.FP32
+    c, fp32 = get_config("tiny", 301), sizing.FP32
     for stage, row in enumerate(rows[:2]):
-        state = plan.stage_state_bytes(c, 2, 2, stage, plan.PRECISIONS["fp32"])
-        micro = plan.stage_activation_bytes(c, 64, 64, plan.PRECISIONS["fp32"], 2, 2, stage)
+        state = sizing.stage_state_bytes(c, 2, 2, stage, sizing.PRECISIONS["fp32"])
+        micro = sizing.stage_activation_bytes(c, 64, 64, sizing.PRECISIONS["fp32"], 2, 2, stage)
+        kept = (2 - stage) * micro + 64 * 64 * fp32 * (stage == 0) + fp32  # + the gradient received, the loss
+        assert kept == sizing.stage_kept_bytes(c, 64, 64, sizing.PRECISIONS["fp32"], 2, 2, stage, "1f1b", 4)
         assert row[2:] == [plan.size(state["params"]), plan.size(state["grads"]), plan.size(state["optimizer"]),
-                           plan.size(micro), str(2 - stage), plan.size((2 - stage) * micro),
-                           plan.size(sum(state.values()) + (2 - stage) * micro)]
+                           plan.size(micro), str(2 - stage), plan.size(kept), plan.size(sum(state.values()) + kept)]
     # sent: tp's all-reduces (2 ranks: a ring sends 1 x the array), the pipeline's
     # activations or gradients to one neighbour, the gradients all-reduced over 2 replicas
-    layer, stage_0 = plan.tp_all_reduce_bytes(c, 4 * 64, plan.PRECISIONS["fp32"], 2, 2, 0)
+    layer, stage_0 = sizing.tp_all_reduce_bytes(c, 4 * 64, sizing.PRECISIONS["fp32"], 2, 2, 0)
     assert layer == 4 * 4 * 64 * 64 * fp32
-    grads = plan.stage_state_bytes(c, 2, 2, 0, plan.PRECISIONS["fp32"])["grads"]
+    grads = sizing.stage_state_bytes(c, 2, 2, 0, sizing.PRECISIONS["fp32"])["grads"]
     assert rows[2][1:6] == [plan.size(layer), plan.size(stage_0), plan.size(4 * 64 * 64 * fp32), plan.size(grads),
                             plan.size(stage_0 + 4 * 64 * 64 * fp32 + grads)]
     out = run_plan([*argv, "--schedule", "gpipe"], capsys)
@@ -178,7 +182,7 @@ def test_the_command_prints_the_three_tables(capsys):
     out = run_plan(["--model-preset", "tiny", "--vocab-size", "300", "--gpus-per-node", "2",
                     "--nodes", "2", "--global-batch-size", "8", "--seq-length", "64"], capsys)
     assert "4 ranks (2 x 2 GPUs); 2 x 64 tokens per rank" in out  # 8 samples over 4 ranks
-    for mode in plan.MODES:
+    for mode in sizing.MODES:
         assert len(re.findall(rf"^\| {mode} ", out, flags=re.M)) == 3, mode
     assert "time at 100 GB/s busbw" in out and "at 2 GB/s per node" in out
     out = run_plan(["--params", "7B", "--modes", "ddp,fsdp2"], capsys)
@@ -203,8 +207,9 @@ def test_the_command_prints_the_three_tables(capsys):
     (["--model-preset", "tiny", "--tp", "4"], "--tp 4 does not divide the model's 2 KV heads"),
     (["--tp", "3", "--gpus-per-node", "3"], "--tp 3 does not divide the model's 8 attention heads"),
     (["--model-preset", "tiny", "--pp", "4"], "--pp 4 exceeds the model's 2 layers"),
-    (["--tp", "2", "--pp", "3"], "the 8 ranks (1 node(s) x 8) are not a multiple of --tp 2 x --pp 3"),
+    (["--tp", "2", "--pp", "3"], "the world size 8 is not a multiple of --tp 2 x --pp 3"),
     (["--pp", "2", "--batch-size", "4", "--microbatches", "3"], "--microbatches 3 does not divide the batch of 4"),
+    (["--model-preset", "tiny", "--vocab-size", "1", "--tp", "2"], "a vocabulary of 1 leaves tp rank 1 of 2 no rows"),
     (["--tp", "2", "--global-batch-size", "6"], "not divisible by the 4 replicas"),
     (["--params", "7B", "--tp", "2"], "give a preset or a shape, not --params"),
     (["--pp", "2", "--modes", "ddp"], "with --tp or --pp the plan is chapter 06's layout"),
@@ -231,7 +236,7 @@ def test_absurd_sizes_answer_at_once():
     proc = run_warm([sys.executable, "-m", "tools.plan", "--model-preset", "small", "--layers", "10000",
                 "--gpus-per-node", "1000", "--nodes", "1000"], timeout=120)
     assert "1000000 ranks (1000 x 1000 GPUs)" in proc.stdout
-    assert all(len(re.findall(rf"^\| {mode} ", proc.stdout, flags=re.M)) == 3 for mode in plan.MODES)
+    assert all(len(re.findall(rf"^\| {mode} ", proc.stdout, flags=re.M)) == 3 for mode in sizing.MODES)
 
 
 def test_without_a_shape_no_unit_is_gathered(capsys):

@@ -18,11 +18,12 @@ import re
 
 from common.cli import Parser, comma_list, one_of, positive_float, positive_int
 from common.errors import UsageError
+from common.layout import layout_for
 from common.model import PRESETS, LlamaConfig, get_config
-from common.sizing import (FP32, MODES, PRECISIONS, RING_FACTOR, Model, activation_bytes, checkpoint_bytes,  # noqa: F401
-                           checkpoint_seconds, collective_bytes, count_only, gathered_unit_bytes, in_flight,
-                           layer_activation_bytes, llama, sent_bytes, slice_rows, stage_activation_bytes,
-                           stage_layers, stage_shapes, stage_state_bytes, state_bytes, tp_all_reduce_bytes)
+from common.sizing import (MODES, PRECISIONS, RING_FACTOR, Model, activation_bytes, checkpoint_bytes,
+                           checkpoint_seconds, collective_bytes, count_only, gathered_unit_bytes, in_flight, llama,
+                           sent_bytes, stage_activation_bytes, stage_kept_bytes, stage_layers, stage_shapes,
+                           stage_state_bytes, state_bytes, tp_all_reduce_bytes)
 from common.tables import markdown_table
 
 MAX_RANKS = 1_000_000  # ten times the largest training clusters
@@ -109,8 +110,8 @@ def parse_args(argv=None):
                              "plan is chapter 06's layout, whose replicas all-reduce as DDP")
         args.modes = args.modes or list(MODES)
         args.model = count_only(args.params) if args.params is not None else llama(config_of(args, shape))
-        if split:
-            check_split(args.model.config, args)
+        if split:  # the model's shape and the world first: the batch is known below
+            layout_for(args.world, args.model.config, 1, tp=args.tp, pp=args.pp, microbatches=1)
         args.dp = args.world // (args.tp * args.pp)
         if args.global_batch_size is not None:
             if args.batch_size is not None:
@@ -120,27 +121,12 @@ def parse_args(argv=None):
                 raise UsageError(f"--global-batch-size {args.global_batch_size} is not divisible by the {who}")
             args.batch_size = args.global_batch_size // args.dp
         args.batch_size = args.batch_size or 1
-        if args.microbatches is None:
-            args.microbatches = args.batch_size if args.pp > 1 else 1
-        if args.batch_size % args.microbatches:
-            raise UsageError(f"--microbatches {args.microbatches} does not divide the batch of {args.batch_size} "
-                             f"per {'replica' if split else 'rank'}")
+        # chapter 06's rule of which splits fit (common/layout.py); without a split no pipeline
+        args.microbatches = layout_for(args.world, args.model.config, args.batch_size, tp=args.tp, pp=args.pp,
+                                       microbatches=args.microbatches, schedule=args.schedule).microbatches \
+            if split else 1
     p.checks.append(check)
     return p.parse_args(argv)
-
-
-def check_split(c: LlamaConfig, args) -> None:
-    """The layout must fit the model and the ranks, as chapter 06's check_layout says."""
-    for n, what in ((c.num_attention_heads, "attention heads"), (c.num_key_value_heads, "KV heads"),
-                    (c.intermediate_size, "MLP features")):
-        if n % args.tp:
-            raise UsageError(f"--tp {args.tp} does not divide the model's {n} {what}")
-    if args.pp > c.num_hidden_layers:
-        raise UsageError(f"--pp {args.pp} exceeds the model's {c.num_hidden_layers} layers: a stage needs one at least")
-    if args.world % (args.tp * args.pp):
-        raise UsageError(f"the {args.world} ranks ({args.nodes} node(s) x {args.gpus_per_node}) are not a "
-                         f"multiple of --tp {args.tp} x --pp {args.pp}: data parallelism takes world / (tp x pp) "
-                         f"replicas")
 
 
 def config_of(args, shape_flags) -> LlamaConfig:
@@ -250,7 +236,8 @@ def plan_split(args) -> str:
              f"{'es' * (m > 1)}, {args.schedule} schedule",
              f"precision {args.precision}: {p.what}", "",
              "held per rank (tp rank 0 of each stage, the largest vocabulary slice; activations: saved for backward "
-             "by one micro-batch, then as many micro-batches as the schedule holds at once; no activation "
+             "by one micro-batch; kept: the most a stage keeps between its operations, the micro-batches its "
+             "schedule holds at once, the gradient it has just received and the running loss; no activation "
              "checkpointing):", ""]
     held, sent = [], []
     first_layer = 0
@@ -258,11 +245,12 @@ def plan_split(args) -> str:
         state = stage_state_bytes(c, tp, pp, stage, p)
         micro = stage_activation_bytes(c, tokens // m, args.seq_length, p, tp, pp, stage)
         n = in_flight(args.schedule, m, pp, stage)
+        kept = stage_kept_bytes(c, tokens // m, args.seq_length, p, tp, pp, stage, args.schedule, m)
         what = [f"layers {first_layer}-{first_layer + layers - 1}" if layers > 1 else f"layer {first_layer}"]
         what = ["embedding"] * (stage == 0) + what + ["head"] * (stage == pp - 1)
         first_layer += layers
         held.append((stage, ", ".join(what), size(state["params"]), size(state["grads"]), size(state["optimizer"]),
-                     size(micro), n, size(n * micro), size(sum(state.values()) + n * micro)))
+                     size(micro), n, size(kept), size(sum(state.values()) + kept)))
         layer, tp_bytes = tp_all_reduce_bytes(c, tokens, p, tp, pp, stage)
         p2p = tokens * c.hidden_size * p.stream * ((stage < pp - 1) + (stage > 0))  # forward, backward
         grads = p.comm * sum(math.prod(s) for s in stage_shapes(c, tp, pp, stage)) if dp > 1 else 0
@@ -270,7 +258,7 @@ def plan_split(args) -> str:
         sent.append((stage, size(layer), size(tp_bytes), size(p2p), size(grads), size(total),
                      duration(total / (args.busbw_gbps * 1e9))))
     lines.append(markdown_table(("stage", "holds", "params", "grads", "optimizer", "activations per micro-batch",
-                                 "micro-batches held", "activations held", "total"), held, right=range(2, 9)))
+                                 "micro-batches held", "kept at most", "total"), held, right=range(2, 9)))
     lines += ["", f"per rank per step: the arrays tensor parallelism all-reduces (per decoder layer, whole stage), "
                   f"the pipeline sends to its neighbours, data parallelism all-reduces; sent with ring algorithms, "
                   f"and its time at {args.busbw_gbps:g} GB/s:", ""]
