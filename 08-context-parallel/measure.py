@@ -208,17 +208,16 @@ def tables(work, activations, traffic) -> str:
     out = []
     for w in work:
         pairs, flops = [r["pairs"] for r in w["ranks"]], [r["flops"] for r in w["ranks"]]
-        out.append(f"attention's work per rank, {w['split']} split, cp {w['cp']}, sequence {w['seq']}: the pairs "
-                   f"its queries attend, and the FLOPs FlopCounterMode counts in ring attention (forward and "
-                   f"backward, one layer, one sequence)\n")
+        out.append(f"{w['split']} split, cp {w['cp']}, sequence {w['seq']}: the pairs each rank's queries attend, "
+                   f"and the FLOPs counted in its ring attention (forward and backward, one layer)\n")
         rows = [(rank, f"{p:,}", f"{f:,}") for rank, (p, f) in enumerate(zip(pairs, flops))]
         rows.append(("last / first", f"{pairs[-1] / pairs[0]:.2f}", f"{flops[-1] / flops[0]:.2f}"))
         out += [markdown_table(("rank", "pairs attended", "FLOPs counted"), rows, right=(1, 2)), ""]
     rows = [(a["cp"], a["seq"], a["variant"] if a["cp"] > 1 else "(one process)", f"{a['measured_max']:,}",
              "the same" if a["measured_min"] == a["measured_max"] == a["planned"] else f"{a['planned']:,}")
             for a in activations]
-    out += ["activations one rank saves for backward in a forward and its loss (fp32, the batch's sequences "
-            "split over cp ranks), measured, and what the planner says\n",
+    out += ["activations one rank saves for backward (fp32, the sequences split over cp ranks), measured and "
+            "planned\n",
             markdown_table(("cp", "sequence", "attention", "bytes, measured", "planner"), rows, right=(0, 1, 3)), ""]
     rows = []
     for t in traffic:
@@ -228,8 +227,8 @@ def tables(work, activations, traffic) -> str:
         rows.append((t["variant"], t["cp"], t["seq"], kind.replace("_", "-"), f"{counted[kind]:,}",
                      "the same" if same and counted[kind] == t["planned"][kind] else f"{t['planned'][kind]:,}",
                      f"{t['planned_sent']:,.0f}"))
-    out += ["bytes one rank's attention moves in a training step's forward and backward (fp32), counted, "
-            "against the planner; an all-to-all keeps a cp-th of its array, and sends the rest\n",
+    out += ["bytes one rank's attention moves in a training step (fp32), counted and planned; all-to-all sends "
+            "(cp - 1) / cp of its array\n",
             markdown_table(("attention", "cp", "sequence", "counted", "bytes", "planner", "sent"), rows,
                            right=(1, 2, 4, 6))]
     return "\n".join(out)

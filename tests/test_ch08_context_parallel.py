@@ -5,9 +5,11 @@ whole training steps equal chapter 01's (cp 2 and 3, beside tp, dp and pp); a me
 without the log-sum-exp rescale, a causal mask off by a block, all-to-all's tokens out
 of order, RoPE at the shard's own positions and the cp ranks left out of FSDP's
 gradient sum each fail that proof;
-the training script logs chapter 01's losses with --cp 2 and with --cp 2 --tp 2; the
-work, activations and bytes per rank are counted against the planner; a bad layout is
-one line and exit 2; a lost rank ends the other within --timeout."""
+the training script logs chapter 01's losses with --cp 2 (either attention) and with
+--cp 2 --tp 2; the work, activations and bytes per rank are counted against the
+planner, and the page's measure command prints the page's tables; a bad layout is one
+line and exit 2; a lost rank ends the other within --timeout; on GPUs, torch's
+context_parallel equals the ring."""
 
 from __future__ import annotations
 
@@ -20,11 +22,13 @@ import torch
 from common.model import get_config
 from common.sizing import PRECISIONS, cp_activation_bytes, cp_traffic_bytes
 from conftest import NO_GPU, REPO, TINY, chapter_module, free_port, load_script, python_cmd, read_json, read_jsonl, \
-    refused, run_warm, start, torchrun_cmd
+    refused, run, run_warm, start, torchrun_cmd
+from pages import readme_command
 from procs import kill_job
 
 FOLDER = "08-context-parallel"
 SCRIPT = f"{FOLDER}/train_llm.py"
+PAGE = "08-context-parallel/README.md"
 chapter = load_script(SCRIPT)  # puts its folder on sys.path: the modules beside it import
 cp_lib = chapter_module(FOLDER, "context_parallel")
 
@@ -210,13 +214,14 @@ def test_each_named_bug_fails_the_proof(tmp_path, mutant):
 
 # --------------------------------------------------------------- the training script
 
-@pytest.mark.parametrize("ranks, flags", [(2, ["--cp", 2]), (4, ["--cp", 2, "--tp", 2])])
+@pytest.mark.parametrize("ranks, flags", [(2, ["--cp", 2]), (2, ["--cp", 2, "--cp-attention", "all-to-all"]),
+                                          (4, ["--cp", 2, "--tp", 2])])
 def test_the_script_logs_chapter_01s_losses(ch01_smoke, tmp_path, ranks, flags):
-    """torchrun --cp 2 on 2 ranks, and --cp 2 --tp 2 on 4 (dp 1: the global batch is
-    chapter 01's), 3 steps against the first 3 of chapter 01's reference run with the
-    same flags (its learning rates are warmup's up to then, whatever --max-steps says):
-    the losses within 1e-5 relative, chapter 03's tolerance for DDP in fp32, the first
-    to fp32's rounding; validation and the sample ran on every rank."""
+    """torchrun --cp 2 on 2 ranks (the ring, then all-to-all), and --cp 2 --tp 2 on 4 (dp
+    1: the global batch is chapter 01's), 3 steps against the first 3 of chapter 01's
+    reference run with the same flags (its learning rates are warmup's up to then,
+    whatever --max-steps says): the losses within 1e-5 relative, chapter 03's tolerance
+    for DDP in fp32, the first to fp32's rounding; validation and the sample ran."""
     _, _, ref, _ = ch01_smoke
     proc = run_warm(torchrun_cmd(ranks, SCRIPT, *TINY, *flags, "--max-steps", 3, "--save-dir", tmp_path,
                                  "--experiment-name", "cp"), env=NO_GPU)
@@ -257,6 +262,18 @@ def test_work_activations_and_bytes_per_rank_are_the_planners(tmp_path):
     assert [(t["cp"], t["variant"]) for t in result["bytes"]] == [(2, "ring"), (2, "all-to-all"), (4, "ring")]
     table = (tmp_path / "m" / "tables.md").read_text()
     assert table.count("| the same |") == len(result["activations"]) + len(result["bytes"])
+
+
+@pytest.mark.launch
+def test_the_pages_measure_command_prints_the_pages_tables(tmp_path):
+    """The README's measure.py command, as written (4 fresh ranks): every count is the
+    planner's, and its tables are the ones the page shows, to the character (they are
+    counts, the same on every machine)."""
+    run([*readme_command(PAGE, "08-context-parallel/measure.py"), "--save-dir", tmp_path, "--experiment-name", "m"],
+        timeout=600)
+    tables = (tmp_path / "m" / "tables.md").read_text()
+    assert tables.count("| the same |") == 11, tables
+    assert tables.strip() in (REPO / PAGE).read_text(), "08-context-parallel/README.md shows other tables"
 
 
 # ------------------------------------------------------------------ a lost rank
