@@ -167,7 +167,7 @@ class Reference:
         m_hat moves by at most delta, sqrt(v_hat) by at most delta, and |m_hat| <= A_t
         sqrt(v_hat): adam_ratio_bound).
 
-        How it was chosen, and what it separates: every layout lands below 1e-3 of it
+        How it was chosen, and what it separates: every layout lands below 1e-2 of it
         (prove.json keeps the ratios), and the bugs of tests/test_mutants.py (a loss
         scaled, gradients summed over dp, an all-reduce left out, a norm weight counted
         on every tp rank, ...) land 1e6 to 1e12 times above it, at step 1."""
