@@ -1,22 +1,17 @@
 """Chapter 08, the proof: a sequence split over cp ranks trains what one process trains.
 
-Two parts, in fp64, every rank making the same random data:
+In fp64, every rank making the same random data:
 
-1. attention. One process runs causal attention on the whole sequence of random
-   queries, keys and values of the model's shape: its output and the gradients of q, k
-   and v. Then every rank runs context_parallel.py's attention on its own tokens, for
-   each variant (ring, all-to-all) and split (balanced, contiguous) the world allows;
-   each rank's output and gradients must equal the one process's at its tokens,
-   within TOLERANCE.
-2. training. The layouts of this world size (default: `LAYOUTS`, those that fit),
-   built as train_llm.py builds them (parallelize.py, FSDP over the dp x cp ranks,
-   then context_parallel.py on each stage) and stepped as it steps them (each rank's
-   tokens of the global batch), against chapter 01's step on the same global
-   batch: the whole model in one process, clipping at 1.0, AdamW. Each step starts
-   every layout from the reference's weights and AdamW moments; nothing may be NaN or
-   infinite (the first one found stops the proof, named in one line); the loss, each
-   rank's pieces of the gradients before and after clipping, and of the weights after
-   the step, must equal the reference's within chapter 07's tolerance.
+1. attention: each variant (ring, all-to-all) and split (balanced, contiguous) the
+   world allows, on each rank's tokens, against one process's causal attention on the
+   whole sequence: the output and the gradients of q, k and v, within TOLERANCE.
+2. training: the layouts of this world size (default: `LAYOUTS`, those that fit),
+   built and stepped as train_llm.py builds and steps them, against chapter 01's step
+   on the same global batch (the whole model in one process, clipping at 1.0, AdamW),
+   each step from the reference's state: nothing NaN or infinite (the first one stops
+   the proof, named in one line); the loss, each rank's pieces of the gradients before
+   and after clipping and of the weights after the step within chapter 07's tolerance.
+3. torch (GPUs only): torch's context_parallel against this chapter's ring.
 
 Any failure: exit status 1.
 
@@ -38,32 +33,30 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.experimental import context_parallel as torch_context_parallel
 from torch.distributed.tensor.parallel import loss_parallel
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import context_parallel
 from common.cli import comma_list, one_of, positive_float, positive_int, seed_value
 from common.demos import exact_kernels, script_parser, start_demo
 from common.distributed import gc_and_destroy_process_group
 from common.errors import MODEL_OOM_ADVICE, UsageError, run_main
+from common.layout import check_vocabulary
 from common.model import PRESETS, LlamaForCausalLM, RMSNorm, get_config, num_parameters
 from common.runfolder import claim_run_folder
 from common.training import build_optimizer
 from parallelize import Layout, build_stages, clip_grad_norm, local_piece, materialize
 from pipeline_parallel import Part, Pipeline
 
-# Split attention adds the same terms as one softmax, in another order: in fp64 the two
-# differ by rounding, about 1e-15 of the largest value (seen: at most 3e-15). A wrong
-# mask or merge moves values by more than 1e-2 of it (the mutants in the tests). Held to
-# 1e-12 of the largest value, the check sits a thousand times above rounding and ten
-# billion times below those bugs.
+# Split attention adds the same terms as one softmax in another order: in fp64 the two
+# differ by about 1e-15 of the largest value (seen: 3e-15 at most), a wrong mask or
+# merge by more than 1e-2 (the tests' mutants). 1e-12 sits far from both.
 TOLERANCE = 1e-12
-# torch's context_parallel runs on GPUs in fp32 (its kernels take no fp64): two fp32
-# computations of the same attention, summed in different orders, agree to about 1e-6
-# of the largest value; a wrong block or merge is off by more than 1e-2 of it.
+# torch's kernels run in fp32 on GPUs: two fp32 attentions agree to about 1e-6.
 FP32_TOLERANCE = 1e-4
 BETAS, EPS = (0.9, 0.95), 1e-8  # build_optimizer's AdamW: the weights' tolerance depends on them
 UNIT = 2.0 ** -53  # fp64's unit of rounding
-MAX_LAYERS = 64
 PARTS = ("attention", "training", "torch")
 # What one launch trains by default, per world size (those that fit the model): cp with
 # each attention, and beside tp, dp (FSDP) and a pipeline.
@@ -81,15 +74,11 @@ def layout_of(name: str) -> Layout:
     return Layout(**sizes, cp_attention=(match[2] or "-ring")[1:])
 
 
-def world_of(layout: Layout) -> int:
-    return layout.dp * layout.pp * layout.cp * layout.tp
-
-
 def fits(layout: Layout, world: int, config, batch: int, seq: int) -> str | None:
     """Why `layout` does not fit the world, the model and the batch, or None."""
     heads, kv = config.num_attention_heads, config.num_key_value_heads
-    if world_of(layout) != world:
-        return f"takes {world_of(layout)} ranks, this launch has {world}"
+    if layout.world != world:
+        return f"takes {layout.world} ranks, this launch has {world}"
     if kv % layout.tp or config.intermediate_size % layout.tp:
         return f"tp {layout.tp} does not divide the model's KV heads and MLP features"
     if layout.pp > config.num_hidden_layers or batch % layout.dp:
@@ -105,8 +94,6 @@ def parse_args(argv=None):
     p = script_parser("08-prove", "Context parallelism proven equal to one process, in fp64: attention, "
                       "then whole training steps against chapter 01's.", min_world=1)
     p.add_argument("--model-preset", default="tiny", type=one_of(*PRESETS), help="model size")
-    p.add_argument("--layers", type=positive_int, default=None, help=f"decoder layers, instead of the preset's "
-                   f"(at most {MAX_LAYERS})")
     p.add_argument("--kv-heads", type=positive_int, default=None, help="KV heads, instead of the preset's")
     p.add_argument("--seq-length", type=positive_int, default=48, help="tokens per sample")
     p.add_argument("--batch-size", type=positive_int, default=4, help="samples per step: the global batch")
@@ -126,8 +113,6 @@ def parse_args(argv=None):
             raise UsageError("--parts torch needs CUDA GPUs: torch's context_parallel has no CPU kernel")
         if world == 1 and args.parts != ["torch"]:
             raise UsageError("this needs at least 2 processes (--nproc-per-node=2 or more); one is for --parts torch")
-        if (args.layers or 0) > MAX_LAYERS:
-            raise UsageError(f"--layers {args.layers:,}: at most {MAX_LAYERS}")
         if args.seq_length % (2 * world):
             raise UsageError(f"--seq-length {args.seq_length} does not cut into 2 x {world} ranks = {2 * world} "
                              f"equal chunks")
@@ -145,15 +130,19 @@ def parse_args(argv=None):
         for name in args.layouts:
             if why := fits(layout_of(name), world, config, args.batch_size, args.seq_length):
                 raise UsageError(f"layout {name}: {why}")
+            check_vocabulary(config.vocab_size, layout_of(name).tp)
     p.checks.append(check)
     return p.parse_args(argv)
 
 
 def config_of(args):
-    overrides = {"num_hidden_layers": args.layers} if args.layers else {}
-    if args.kv_heads:
-        overrides["num_key_value_heads"] = args.kv_heads
-    return get_config(args.model_preset, args.vocab_size, **overrides)
+    return get_config(args.model_preset, args.vocab_size,
+                      **({"num_key_value_heads": args.kv_heads} if args.kv_heads else {}))
+
+
+def gap(got, want, tolerance: float) -> float:
+    """The largest |got - want| over tolerance x the largest |want| (inf if got has a NaN)."""
+    return ((got - want).abs().max() / (tolerance * want.abs().max())).item() if torch.isfinite(got).all() else math.inf
 
 
 def worst_over_ranks(values: list[float], device) -> list[float]:
@@ -195,9 +184,7 @@ def prove_attention(args, demo, config) -> tuple[dict, list[str]]:
         out = context_parallel.ATTENTION[variant](*mine, group, split)
         out.backward(context_parallel.shard(upstream, positions, dim=2))
         got = {"output": out.detach(), "dq": mine[0].grad, "dk": mine[1].grad, "dv": mine[2].grad}
-        ratios = [((got[n] - context_parallel.shard(e, positions, dim=2)).abs().max()
-                   / (TOLERANCE * e.abs().max())).item() if torch.isfinite(got[n]).all() else float("inf")
-                  for n, e in expected.items()]
+        ratios = [gap(got[n], context_parallel.shard(e, positions, dim=2), TOLERANCE) for n, e in expected.items()]
         name = f"{variant}, {'balanced' if balanced else 'contiguous'}"
         results[name] = dict(zip(expected, worst_over_ranks(ratios, demo.device)))
         failures += [f"{name}: {n} differs from one process's by {r:.3g} x the tolerance"
@@ -208,15 +195,10 @@ def prove_attention(args, demo, config) -> tuple[dict, list[str]]:
 # ---- 3. torch's context_parallel --------------------------------------------------------
 
 def prove_torch(args, demo, config) -> tuple[dict, list[str]]:
-    """On GPUs: torch's context_parallel (SDPA's memory-efficient kernel, fp32, its
-    head-and-tail load balancing) against this chapter's ring attention, the same
-    random q, k, v and upstream gradient on every rank. torch shards its buffers in
-    place, rank r taking chunks r and 2 cp - 1 - r as SequenceSplit does; each rank's
-    output and gradients must agree with the ring's at its tokens within FP32_TOLERANCE
-    (two fp32 kernels that add in different orders). One KV head per query head: the
-    kernel's ring takes no grouped heads."""
-    from torch.distributed.tensor.experimental import context_parallel as torch_context_parallel
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    """On GPUs: torch's context_parallel (the memory-efficient kernel, fp32) against the
+    ring, on the same q, k, v and upstream gradient; torch shards its buffers in place,
+    head and tail as SequenceSplit does. One KV head per query head (its ring takes no
+    grouped heads). Within FP32_TOLERANCE at each rank's tokens."""
     B, T, D, H = args.batch_size, args.seq_length, config.head_dim, config.num_attention_heads
     gen = torch.Generator().manual_seed(args.seed)
     q, k, v, upstream = (torch.randn(B, H, T, D, generator=gen).to(demo.device) for _ in range(4))
@@ -234,8 +216,7 @@ def prove_torch(args, demo, config) -> tuple[dict, list[str]]:
         theirs.backward(buffers[3])
     pairs = {"output": (theirs, ours), "dq": (theirs_in[0].grad, mine[0].grad),
              "dk": (theirs_in[1].grad, mine[1].grad), "dv": (theirs_in[2].grad, mine[2].grad)}
-    ratios = [((a - b).abs().max() / (FP32_TOLERANCE * b.abs().max())).item() if torch.isfinite(a).all()
-              else float("inf") for a, b in pairs.values()]
+    ratios = [gap(a, b, FP32_TOLERANCE) for a, b in pairs.values()]
     result = dict(zip(pairs, worst_over_ranks(ratios, demo.device)))
     return {f"torch's context_parallel vs the ring (fp32: / {FP32_TOLERANCE:g} x ...)": result}, [
         f"torch's context_parallel: {n} differs from this chapter's ring by {r:.3g} x the tolerance"
@@ -253,9 +234,8 @@ def adam_ratio_bound(betas: tuple[float, float], step: int) -> float:
 
 
 def fp64_norms(model):
-    """RMSNorm normalises in fp32 whatever its input (common/model.py); in an fp64 proof
-    that would round the norms' inputs to fp32 (chapter 06's prove.py says why it
-    matters). The proof's models, the reference's too, normalise in fp64."""
+    """The proof's models normalise in fp64, not fp32 as common/model.py's RMSNorm does
+    (chapter 06's prove.py says why)."""
     for m in model.modules():
         if isinstance(m, RMSNorm):
             m.forward = lambda x, m=m: F.rms_norm(x, (x.shape[-1],), m.weight, m.eps)
@@ -279,8 +259,7 @@ class Reference:
         self.terms = (config.num_hidden_layers * per_layer + 2 * config.vocab_size + args.batch_size * args.seq_length
                       + num_parameters(self.model))
 
-    def step(self, x, y, step: int) -> dict:
-        """One step: its loss, gradients before and after clipping, and tolerances."""
+    def step(self, x, y, step: int) -> dict:  # its loss, gradients before and after clipping, and tolerances
         loss = F.cross_entropy(self.model(x).flatten(0, 1), y.flatten())  # chapter 01's loss: the token mean
         loss.backward()
         grads = {n: p.grad.clone() for n, p in self.model.named_parameters()}
@@ -305,8 +284,7 @@ class Reference:
             out["weights"][n] = amplify * out["clipped"][n] / (v_hat.sqrt() + EPS)
         return out
 
-    def state(self) -> dict:
-        """name -> (weight, AdamW's two moments, its step count)."""
+    def state(self) -> dict:  # name -> (weight, AdamW's two moments, its step count)
         st = self.optimizer.state
         return {n: (p.detach(), st[p]["exp_avg"], st[p]["exp_avg_sq"], st[p]["step"])
                 for n, p in self.model.named_parameters()}
@@ -412,8 +390,9 @@ def compare(key: str, step: int, trainer: Trainer, got: dict, ref: dict, before:
     if not figures["loss"] <= 1:
         failures.append(f"{key}: step {step}: the loss differs from chapter 01's by "
                         f"{(got['loss'] - ref['loss']).abs().item():.3g}, {figures['loss']:.3g} times the tolerance")
-    for kind, what, theirs in (("grads", "the gradient of", ref["grads"]),
-                               ("clipped", "the clipped gradient of", ref["clipped"]), ("weights", "the weight", before)):
+    kinds = (("grads", "the gradient of", ref["grads"]), ("clipped", "the clipped gradient of", ref["clipped"]),
+             ("weights", "the weight", before))
+    for kind, what, theirs in kinds:
         mine = got[kind]
         worst, name = max((ratio(mine[n], piece(theirs[n], n), piece(tol[kind][n], n)), n) for n in mine)
         figures[kind] = worst
@@ -482,11 +461,9 @@ def report(args, demo, attention, training, failures, run_dir):
     if failures:
         print("FAILED: " + "; ".join(failures), file=sys.stderr, flush=True)
     else:
-        print(f"OK: on {demo.world} ranks" + (" every attention's output and gradients equal one process's"
-                                               if attention else "")
-              + (" and" if attention and training else "")
-              + (f" every layout's loss, gradients and weights equal chapter 01's after each of {args.proof_steps} "
-                 f"fp64 steps from the same state, within the tolerance" if training else ""), flush=True)
+        said = [f"every attention ({len(attention)}) equals one process's"] * bool(attention) + [
+            f"every layout ({len(training)}) equals chapter 01's, {args.proof_steps} steps"] * bool(training)
+        print(f"OK: on {demo.world} ranks, in fp64, {' and '.join(said)}, within the tolerance", flush=True)
 
 
 def main():
