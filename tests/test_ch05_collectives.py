@@ -388,22 +388,43 @@ def test_the_proof_checks_every_step_from_ddps_state(one_rank_group, monkeypatch
     proof, failures, bound = scratch.prove(args, config, batches, one_rank_group)
     assert failures == [] and bound == 0.0 and all(p["max_abs_diff_vs_ddp"] == 0.0 for p in proof.values())
 
-    step = scratch.Replica.step
+    update = scratch.Replica.update
 
-    def step_then_spoil(self, x, y):
-        step(self, x, y)
+    def update_then_spoil(self):
+        update(self)
         if self.mode != "ddp" and len(self.losses) == 2:
             with torch.no_grad():
                 next(self.model.parameters()).view(-1)[0] += 1e-9
                 for state in self.optimizer.state.values():
                     state["exp_avg"].mul_(2)
                     state["exp_avg_sq"].mul_(3)
-    monkeypatch.setattr(scratch.Replica, "step", step_then_spoil)
+    monkeypatch.setattr(scratch.Replica, "update", update_then_spoil)
     proof, failures, _ = scratch.prove(args, config, batches, one_rank_group)
     assert [f.split(" a parameter")[0] for f in failures] == \
         [f"{m}: after step 2" for m in ("naive", "bucketed", "overlap")], failures
     assert all("differs from DDP's by 1e-09 > 0" in f for f in failures), failures
     assert all(proof[m]["max_abs_diff_vs_ddp"] == pytest.approx(1e-9, rel=1e-6) for m in ("naive", "bucketed"))
+
+
+def test_a_nan_stops_the_proof_at_once_naming_the_tensor(one_rank_group, monkeypatch):
+    """A NaN in one mode's parameters after step 1's update (bucketed's embedding): the
+    proof stops there with one line naming the mode, the step and the tensor (a NaN once
+    passed: Python's max(0.0, nan) is 0.0, and the table showed 0.00e+00)."""
+    import argparse
+    proof = chapter_module("05-collectives", "proof")
+    args = argparse.Namespace(seed=0, lr=1e-3, bucket_mb=0.5, modes=["bucketed", "ddp"], proof_steps=2)
+    batches = [(x, x) for x in torch.randint(0, 300, (2, 2, 16), generator=torch.Generator().manual_seed(0))]
+    update = scratch.Replica.update
+
+    def update_then_nan(self):
+        update(self)
+        if self.mode == "bucketed":
+            with torch.no_grad():
+                self.model.embed_tokens.weight[3, 5] = float("nan")
+    monkeypatch.setattr(scratch.Replica, "update", update_then_nan)
+    with pytest.raises(proof.NotFinite) as stop:
+        scratch.prove(args, scratch.get_config("tiny", 300), batches, one_rank_group)
+    assert str(stop.value) == "bucketed: step 1: the parameter embed_tokens.weight is not finite (nan)"
 
 
 def test_replicas_that_differ_after_a_step_fail_the_proof(one_rank_group, monkeypatch):
@@ -413,8 +434,8 @@ def test_replicas_that_differ_after_a_step_fail_the_proof(one_rank_group, monkey
     import argparse
     args = argparse.Namespace(seed=0, lr=1e-3, bucket_mb=0.5, modes=list(scratch.MODES), proof_steps=2)
     batches = [(x, x) for x in torch.randint(0, 300, (2, 2, 16), generator=torch.Generator().manual_seed(0))]
-    stepped, step = [], scratch.Replica.step
-    monkeypatch.setattr(scratch.Replica, "step", lambda self, x, y: stepped.append(step(self, x, y)))
+    stepped, update = [], scratch.Replica.update
+    monkeypatch.setattr(scratch.Replica, "update", lambda self: stepped.append(update(self)))
     monkeypatch.setattr(scratch, "max_difference_to_rank0", lambda tensors: 0.5 if stepped else 0.0)
     proof, failures, _ = scratch.prove(args, scratch.get_config("tiny", 300), batches, one_rank_group)
     assert failures == [f"{m}: replicas differ by 0.5 after step {t}" for t in (1, 2) for m in scratch.MODES]

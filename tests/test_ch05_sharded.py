@@ -81,18 +81,18 @@ def test_the_proof_checks_every_step_from_ddps_state(one_rank_group, monkeypatch
     diffs, failures, bound = sharded.prove(args, config, one_rank_group, batches)
     assert failures == [] and bound == 0.0 and all(d["max_abs_diff_vs_ddp"] == 0.0 for d in diffs.values())
 
-    step = sharded.Trainer.step
+    update = sharded.Trainer.update
 
-    def step_then_spoil(self, x, y):
-        step(self, x, y)
-        if self.mode != "ddp" and len(self.times) == 2:
+    def update_then_spoil(self):
+        update(self)
+        if self.mode != "ddp" and len(self.losses) == 2:
             with torch.no_grad():
                 {"zero1": lambda: self.flat.full, "zero3": lambda: self.units[0].shard,
                  "fsdp2": lambda: next(self.model.parameters()).to_local().view(-1)}[self.mode]()[0] += 1e-9
                 for state in self.optimizer.state.values():
                     state["exp_avg"].mul_(2)
                     state["exp_avg_sq"].mul_(3)
-    monkeypatch.setattr(sharded.Trainer, "step", step_then_spoil)
+    monkeypatch.setattr(sharded.Trainer, "update", update_then_spoil)
     diffs, failures, _ = sharded.prove(args, config, one_rank_group, batches)
     assert [f.split(" a weight")[0] for f in failures] == [f"{m}: after step 2" for m in ("zero1", "zero3", "fsdp2")]
     assert all("differs from DDP's by 1e-09 > 0" in f for f in failures), failures
@@ -131,6 +131,26 @@ def test_memtracker_measures_zero3_without_a_warning(one_rank_group):
         peak = sharding.peak_step_bytes(trainer, (x, x))
     assert peak > 0
     assert [str(w.message) for w in caught if issubclass(w.category, UserWarning)] == []
+
+def test_a_nan_stops_the_proof_at_once_naming_the_tensor(one_rank_group, monkeypatch):
+    """A NaN in one mode's averaged gradients (zero3's shard of layer 0, in step 1): the
+    proof stops there, before any update, with one line naming the mode, the step and
+    the tensor (a NaN once passed: Python's max(0.0, nan) is 0.0)."""
+    args = argparse.Namespace(seed=0, lr=1e-3, modes=["ddp", "zero3"])
+    batches = [(x, x) for x in torch.randint(0, 300, (2, 2, 16), generator=torch.Generator().manual_seed(0))]
+    gradients, updates = sharded.Trainer.gradients, []
+
+    def gradients_then_nan(self, x, y):
+        gradients(self, x, y)
+        if self.mode == "zero3":
+            self.units[1].grad_shard[0] = float("nan")
+    monkeypatch.setattr(sharded.Trainer, "gradients", gradients_then_nan)
+    monkeypatch.setattr(sharded.Trainer, "update", lambda self: updates.append(self.mode))
+    with pytest.raises(proof.NotFinite) as stop:
+        sharded.prove(args, sharded.get_config("tiny", 300), one_rank_group, batches)
+    assert str(stop.value) == "zero3: step 1: the gradient shard of layers.0 is not finite (nan)"
+    assert updates == []
+
 
 def test_ranks_that_hold_different_weights_fail_the_proof(one_rank_group, monkeypatch):
     """After every step each mode's ranks must hold the same weights: where they differ
@@ -326,19 +346,20 @@ def test_every_mode_equals_ddp_within_the_rounding_bound(tmp_path, nproc):
 def test_a_wrong_update_on_one_rank_fails_the_proof(tmp_path):
     """Rank 1 of 3 does not divide its gradients by N before ZeRO-1's reduce-scatter, at
     the same large lr that passes above: FAILED, exit 1, for zero1 only, not for DDP
-    beside it. (zero3 and fsdp2 share no code with ZeRO1.after_backward and pass at this
+    beside it, at each step's averaged gradients already, then at its weights. (zero3 and fsdp2 share no code with ZeRO1.after_backward and pass at this
     lr and world size above: running them here too would prove nothing new.)"""
     proc = run_warm(torchrun_cmd(3, REPO / "tests" / "ch05_wrong_zero1.py", *TINY, *UNTIMED, "--lr", "0.1",
                             "--modes", "ddp,zero1", "--save-dir", tmp_path, "--experiment-name", "w"),
                check=False, timeout=240)
     assert proc.returncode != 0
     failed = [line for line in proc.stderr.splitlines() if line.startswith("FAILED: ")]
-    assert len(failed) == 1 and failed[0].startswith("FAILED: zero1: after step 1 a weight differs from DDP's by"), \
-        proc.stderr
+    assert len(failed) == 1 and failed[0].startswith(
+        "FAILED: zero1: step 1: an averaged gradient differs from DDP's by"), proc.stderr
     result = read_json(tmp_path / "w" / "sharded_from_scratch.json")
     assert not result["passed"] and list(result["modes"]) == ["ddp", "zero1"]
     # every proof step fails: each starts from DDP's state and goes wrong again
-    assert [f.split(" a weight")[0] for f in result["failures"]] == [f"zero1: after step {t}" for t in (1, 2, 3)]
+    assert [f.split(" differs")[0] for f in result["failures"]] == \
+        [line for t in (1, 2, 3) for line in (f"zero1: step {t}: an averaged gradient", f"zero1: after step {t} a weight")]
     assert result["modes"]["ddp"]["max_abs_diff_vs_ddp"] == 0.0
     assert result["modes"]["zero1"]["max_abs_diff_vs_ddp"] > 1e3 * result["proof_bound"]
 
