@@ -17,7 +17,6 @@ with the real torchrun and fresh interpreters (conftest.run, conftest.start). Th
 from __future__ import annotations
 
 import gc
-import multiprocessing
 import multiprocessing.connection
 import os
 import runpy
@@ -29,7 +28,9 @@ import time
 from pathlib import Path
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.distributed.checkpoint",
+# (torch.distributed.pipelining brings in the compiler, which torch.optim's optimizers
+# import when first built: 1.5-2 s of CPU in every rank otherwise)
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint",
            "torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.tensor.parallel",
            "torch.distributed.pipelining", "torch.utils.data", "numpy", "tokenizers",
            "common.data", "common.demos", "common.metrics", "common.model", "common.training",
@@ -117,9 +118,8 @@ def run_warm(cmd: list[str], *, timeout: float = 300, cwd: Path, env: dict) -> s
                          f"({import_settings(env)} != {_imported_with}): run it with conftest.run")
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
-        out, err = f"{tmp}/stdout", f"{tmp}/stderr"
-        Path(out).touch()
-        Path(err).touch()
+        out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
+        out.touch(), err.touch()
         procs = []
         for rank in range(max(ranks, 1)):
             rank_env = dict(env)
@@ -143,7 +143,7 @@ def run_warm(cmd: list[str], *, timeout: float = 300, cwd: Path, env: dict) -> s
         for p in procs:
             p.kill()
             p.join()
-        stdout, stderr = Path(out).read_text(errors="replace"), Path(err).read_text(errors="replace")
+        stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
     if timed_out:
         raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
     return subprocess.CompletedProcess(cmd, code or 0, stdout, stderr)
