@@ -4,6 +4,7 @@ ends with the comparison report."""
 
 from __future__ import annotations
 
+import json
 import socket
 import sys
 import time
@@ -16,6 +17,10 @@ from common.errors import UsageError
 from conftest import REPO, run, run_folder_held, run_warm
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+CH05 = ["05-collectives-demo", "05-bench", "05-ddp-from-scratch", "05-sharded-from-scratch", "05-overlap-timeline"]
+# every command of the tour, in order: one per chapter, chapter 05's five scripts
+NAMES = [n for c in CHAPTERS for n in (CH05 if c.folder == "05-collectives" else [c.folder])]
+UNKNOWN = "42"  # a chapter number no folder has
 
 
 def plan_for(tmp_path, *flags, gpus=0):
@@ -29,10 +34,7 @@ def flag(step, name):
 def test_plan_runs_every_chapter_in_order_as_the_readmes_launch_them(tmp_path):
     plan = plan_for(tmp_path)
     assert list(dict.fromkeys(s.chapter for s in plan)) == [c.folder for c in CHAPTERS]
-    assert [s.name for s in plan] == ["01-single-gpu", "02-data-parallel", "03-ddp",
-                                      "04-checkpointing", "05-collectives-demo", "05-bench",
-                                      "05-ddp-from-scratch", "05-sharded-from-scratch",
-                                      "05-overlap-timeline", "06-model-parallel"]
+    assert [s.name for s in plan] == NAMES
     by_name = {s.name: s for s in plan}
     for name in ("01-single-gpu", "02-data-parallel"):
         assert by_name[name].display.startswith(f"python {name}/train_llm.py ")
@@ -45,11 +47,11 @@ def test_plan_runs_every_chapter_in_order_as_the_readmes_launch_them(tmp_path):
     ck = by_name["04-checkpointing"]
     assert "--max-restarts=3" in ck.argv
     freq, crash = int(flag(ck, "--ckpt-freq")), int(flag(ck, "--crash-at-step"))
-    assert (freq, crash) == (10, 15)                   # between the 1st and 2nd checkpoint
-    assert int(flag(ck, "--max-steps")) == 30
+    assert (freq, crash) == (6, 9)                     # between the 1st and 2nd checkpoint
+    assert int(flag(ck, "--max-steps")) == 20
     assert flag(by_name["06-model-parallel"], "--pp") == "2"  # its line's tour flags
     # one per-process batch and one run folder for every chapter; each run its own name
-    train = [*plan[:4], by_name["06-model-parallel"]]
+    train = [s for s in plan if s.chapter != "05-collectives"]
     assert {flag(s, "--batch-size") for s in train} == {"8"}
     assert {flag(s, "--save-dir") for s in plan if "--save-dir" in s.argv} == {str(tmp_path / "t")}
     assert [flag(s, "--experiment-name") for s in train] == [s.name for s in train]
@@ -63,19 +65,22 @@ def test_plan_sizes_follow_the_hardware(tmp_path):
     eight = plan_for(tmp_path, gpus=8)
     assert flag(eight[0], "--model-preset") == "base" and flag(eight[0], "--seq-length") == "1024"
     assert all("--nproc-per-node=8" in s.display for s in eight[2:])
-    # one GPU: 03/04 run one process; 05 needs two, so it runs on CPU (gloo), and says so
+    # one GPU: 03/04 run one process; 05 needs two, and 06 a multiple of its --pp 2, so
+    # they run two CPU processes (gloo) at the CPU sizes, and say so
     one = plan_for(tmp_path, gpus=1)
     by_name = {s.name: s for s in one}
     assert "--nproc-per-node=1" in by_name["03-ddp"].display
-    for s in one[4:9]:
+    for s in [by_name[n] for n in (*CH05, "06-model-parallel")]:
         assert s.env == {"CUDA_VISIBLE_DEVICES": ""} and "--nproc-per-node=2" in s.display
         assert s.display.startswith("CUDA_VISIBLE_DEVICES= torchrun") and "gloo" in s.note
+    assert flag(by_name["06-model-parallel"], "--model-preset") == "small"
+    assert "--pp 2 needs a multiple of 2 processes" in by_name["06-model-parallel"].note
     # the reader's choices win
     mine = plan_for(tmp_path, "--preset", "tiny", "--steps", "9", "--seq-length", "32",
-                    "--batch-size", "3", "--nproc", "3")
+                    "--batch-size", "3", "--nproc", "4")
     assert [flag(mine[0], f) for f in ("--model-preset", "--max-steps", "--seq-length", "--batch-size")] \
         == ["tiny", "9", "32", "3"]
-    assert "--nproc-per-node=3" in mine[2].display
+    assert "--nproc-per-node=4" in mine[2].display
     assert (flag(mine[3], "--ckpt-freq"), flag(mine[3], "--crash-at-step")) == ("3", "4")
 
 
@@ -84,14 +89,17 @@ def test_chapter_selection(tmp_path):
     assert [s.name for s in plan] == ["01-single-gpu", "03-ddp"]
     plan = plan_for(tmp_path, "--chapters", "05-collectives")
     assert {s.chapter for s in plan} == {"05-collectives"} and len(plan) == 5
-    with pytest.raises(UsageError, match="unknown chapter '07'"):
-        tour.parse_args(["--chapters", "01,07"], gpus=0)
+    with pytest.raises(UsageError, match=f"unknown chapter '{UNKNOWN}'"):
+        tour.parse_args(["--chapters", f"01,{UNKNOWN}"], gpus=0)
     with pytest.raises(UsageError, match="only 2 GPU"):
         tour.parse_args(["--nproc", "4"], gpus=2)
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--chapters", "01,07"], "unknown chapter"),
+    (["--chapters", f"01,{UNKNOWN}"], "unknown chapter"),
+    # chapter 06 runs with --pp 2: three processes cannot all take it (it ran 01 first)
+    (["--nproc", "3", "--chapters", "01,06"], "--nproc-per-node 3: the tour runs chapter "
+                                              "06-model-parallel with --pp 2, so its world size must be a multiple of 2"),
     (["--chapters", ","], "at least one chapter"),
     (["--max-steps", "0"], "--max-steps must be at least 1"),   # the chapters' flag names,
     (["--chapters", "04", "--steps", "2"], "chapter 04 needs at least 3"),  # and short aliases
@@ -131,10 +139,11 @@ def test_an_out_folder_that_cannot_be_written_is_refused_before_any_work(tmp_pat
     assert "Read-only file system" in captured.err and not (tmp_path / "tour").exists()
 
 def test_bad_flag_from_the_command_line(tmp_path):
-    proc = run_warm([sys.executable, "-m", "tools.tour", "--chapters", "01,07"], check=False)
+    proc = run_warm([sys.executable, "-m", "tools.tour", "--chapters", f"01,{UNKNOWN}"], check=False)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [
-        "error: --chapters: unknown chapter '07'; choose from 01, 02, 03, 04, 05, 06 (or the folder names)"]
+        f"error: --chapters: unknown chapter '{UNKNOWN}'; choose from "
+        f"{', '.join(c.number for c in CHAPTERS)} (or the folder names)"]
 
 
 def test_non_empty_out_is_refused_and_dry_run_runs_nothing(tmp_path, capsys):
@@ -148,13 +157,14 @@ def test_non_empty_out_is_refused_and_dry_run_runs_nothing(tmp_path, capsys):
     fresh = tmp_path / "fresh"
     proc = run_warm([sys.executable, "-m", "tools.tour", "--dry-run", "--out", fresh])
     lines = [l for l in proc.stdout.splitlines() if l.startswith("[")]
-    assert len(lines) == 10  # 01-04, 05's demo, benchmark, DDP and sharding from scratch, timeline, then 06
-    assert lines[0].startswith("[1/6] 01-single-gpu: python 01-single-gpu/train_llm.py")
-    assert lines[3].startswith("[4/6] 04-checkpointing: torchrun --standalone "
+    n = len(CHAPTERS)
+    assert len(lines) == len(NAMES)  # a line per chapter, chapter 05's five scripts each
+    assert lines[0].startswith(f"[1/{n}] 01-single-gpu: python 01-single-gpu/train_llm.py")
+    assert lines[3].startswith(f"[4/{n}] 04-checkpointing: torchrun --standalone "
                                "--nproc-per-node=2 --max-restarts=3 04-checkpointing/train_llm.py")
-    assert "--crash-at-step 15" in lines[3]
-    assert all(l.startswith("[5/6] 05-collectives: torchrun") for l in lines[4:9])
-    assert lines[9].startswith("[6/6] 06-model-parallel: torchrun --standalone --nproc-per-node=2 "
+    assert "--crash-at-step 9" in lines[3]
+    assert all(l.startswith(f"[5/{n}] 05-collectives: torchrun") for l in lines[4:9])
+    assert lines[9].startswith(f"[6/{n}] 06-model-parallel: torchrun --standalone --nproc-per-node=2 "
                                "06-model-parallel/train_llm.py") and "--pp 2" in lines[9]
     assert not fresh.exists()
 
@@ -230,15 +240,18 @@ def test_failing_chapter_stops_the_tour_and_says_where(tmp_path, monkeypatch, ca
 
     monkeypatch.setattr(tour, "build_plan", fake_plan)
     out = tmp_path / "tour"
-    assert tour.main(["--chapters", "01,02,03", "--out", str(out), "--quiet"]) == 1
+    assert tour.main(["--chapters", "01,02,03", "--out", str(out)]) == 1
     captured = capsys.readouterr()
-    assert "[1/3] 01-single-gpu: ok.py ... ok" in captured.out
-    assert "first chapter ran" not in captured.out          # quiet: the log has it
+    lines = captured.out.splitlines()
+    assert lines[2].startswith("[1/3] 01-single-gpu: running ... done in ") and \
+        lines[2].endswith("; 01-single-gpu.log")
+    assert lines[3:] == ["[2/3] 02-data-parallel: running ... FAILED"]
+    assert "first chapter ran" not in captured.out          # one line per chapter: the log has it
     assert "first chapter ran" in (out / "01-single-gpu.log").read_text()
     err = captured.err
     assert "chapter 02-data-parallel failed with exit status 3" in err
     assert "command: python bad.py" in err and "02-data-parallel.log" in err
-    assert "about to fail" in err                            # quiet shows the log's tail
+    assert "about to fail" in err                            # the log's tail
     assert "about to fail" in (out / "02-data-parallel.log").read_text()
     assert not (out / "03-ddp.log").exists()
 
@@ -254,9 +267,10 @@ def test_a_failing_chapter_s_own_error_line_is_shown(tmp_path, monkeypatch, caps
     out = tmp_path / "tour"
     assert tour.main(["--chapters", "03", "--out", str(out)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[0].startswith("error: chapter 03-ddp failed with exit status 1 after ") and \
-        err[0].endswith("; it said:"), err
-    assert err[1] == "  error: --seq-length 100000 exceeds the 'tiny' preset's max_position_embeddings=256"
+    said = next(i for i, line in enumerate(err) if line.startswith("error: chapter"))  # after the log's tail
+    assert err[said].startswith("error: chapter 03-ddp failed with exit status 1 after ") and \
+        err[said].endswith("; it said:"), err
+    assert err[said + 1] == "  error: --seq-length 100000 exceeds the 'tiny' preset's max_position_embeddings=256"
     assert "ChildFailedError" in (out / "03-ddp.log").read_text()  # torchrun's report came after it
 
 
@@ -289,8 +303,10 @@ def test_a_scaling_efficiency_from_a_busy_machine_is_not_printed(tmp_path, capsy
 
 def test_the_terminal_gets_a_narrow_table_and_report_md_gets_everything(tmp_path, capsys):
     """The end of a tour, in this process, over a folder as a tour leaves it: the terminal
-    shows tokens/s and loss in lines a terminal fits; report.md holds the wide table, the
-    explanations printed, chapter 05's tables and every file produced."""
+    shows tokens/s and loss in lines a terminal fits, then, last, where the report, the
+    plots and the logs are; report.md holds the wide table, the explanations printed,
+    chapter 05's tables (not printed: they were 150 lines after the comparison) and every
+    file produced."""
     from test_report import fake_run
     args = tour.parse_args(["--out", str(tmp_path / "unused")], gpus=0)
     out = args.out_dir = tmp_path / "tour"
@@ -304,11 +320,21 @@ def test_the_terminal_gets_a_narrow_table_and_report_md_gets_everything(tmp_path
     for name, text in (("05-bench", "| size | all_reduce |"), ("05-sharded-from-scratch", "| mode | params MiB |")):
         (out / name).mkdir()
         (out / name / "tables.md").write_text(text + "\n")  # what a chapter's script leaves for the report
-    tour.print_summary(args, [], time.perf_counter())
+    steps = [tour.Step(c, c, [], "") for c in ("01-single-gpu", "03-ddp", "04-checkpointing")]
+    tour.print_summary(args, steps, time.perf_counter())
     printed = capsys.readouterr().out
-    table = [l for l in printed.splitlines() if l.startswith("| ")]
-    ours = table[:table.index("| size | all_reduce |")]  # before the chapters' own tables
+    lines = printed.splitlines()
+    ours = [l for l in lines if l.startswith("| ")]
     assert len(ours) == 2 + 3 and max(map(len, ours)) <= 100, ours
+    # the comparison, its notes, then the paths: the terminal's last lines
+    notes = lines.index("notes:")
+    assert lines.index(ours[-1]) == notes - 2 and lines[notes + 1:notes + 4] == [
+        f"{i}. a note of {c}" for i, c in enumerate(("01-single-gpu", "03-ddp", "04-checkpointing"), 1)]
+    assert lines[-3].startswith(f"report (every column, chapter 05's 2 tables, the list of all ") and \
+        lines[-3].endswith(f" files): {out / 'report.md'}")
+    assert lines[-2] == f"plots: {', '.join(str(out / n) for n in report.PLOTS)}"
+    assert lines[-1] == (f"logs: {out}/<name>.log, one per command (01-single-gpu.log, 03-ddp.log, "
+                         f"04-checkpointing.log)")
     assert "tokens/s" in ours[0] and "final loss" in ours[0] and "notes" in ours[0]
     assert "1. a note of 01-single-gpu" in printed
     md = (out / "report.md").read_text()
@@ -317,8 +343,9 @@ def test_the_terminal_gets_a_narrow_table_and_report_md_gets_everything(tmp_path
     assert "Batch sizes: every process ran" in md and "On CPU the 2 processes" in md
     assert "Batch sizes: every process ran" in printed
     for name in ("05-bench", "05-sharded-from-scratch"):
-        assert f"## {name}" in md and f"{name} (" in printed
-    assert "| mode | params MiB |" in md and "| size | all_reduce |" in printed
+        assert f"## {name}" in md
+    assert "| mode | params MiB |" in md and "| size | all_reduce |" in md
+    assert "| size | all_reduce |" not in printed
     for f in out.rglob("*"):
         if f.is_file():
             assert f"`{f.relative_to(out)}`" in md, f
@@ -326,52 +353,75 @@ def test_the_terminal_gets_a_narrow_table_and_report_md_gets_everything(tmp_path
 @pytest.mark.launch
 def test_short_real_tour(tmp_path):
     """Two chapters run for real, one launched with python and one with torchrun (tiny
-    sizes, 2 steps), then the report: table, plots, logs. Chapter 05's five scripts, each
-    a torchrun job of its own, are not run here: the tests of each script check the
-    tables.md it leaves, and test_the_terminal_gets_a_narrow_table_and_report_md_gets_everything
-    the report around them."""
+    sizes, 2 steps), as a reader runs the tour: one line per chapter while it runs, the
+    chapters' output in their logs, and at the end the comparison, then where the report,
+    the plots and the logs are, last. Chapter 05's five scripts, each a torchrun job of its
+    own, are not run here: the tests of each script check the tables.md it leaves, and
+    test_the_terminal_gets_a_narrow_table_and_report_md_gets_everything the report around
+    them."""
     out = tmp_path / "tour"
     proc = run([sys.executable, "-m", "tools.tour", "--chapters", "01,03",
                 "--preset", "tiny", "--steps", "2", "--seq-length", "32", "--batch-size", "2",
                 "--out", out], timeout=240)
-    stdout = proc.stdout
-    assert "[1/2] 01-single-gpu" in stdout and "[2/2] 03-ddp" in stdout
-    assert "$ python 01-single-gpu/train_llm.py" in stdout     # the command, as typed
-    assert "$ torchrun --standalone --nproc-per-node=2 03-ddp/train_llm.py" in stdout
-    assert "step 2/2" in stdout                               # chapter output streamed live
+    lines = proc.stdout.splitlines()
+    assert lines[2].startswith("[1/2] 01-single-gpu: running ... done in ") and "(tour at " in lines[2]
+    assert lines[3].startswith("[2/2] 03-ddp: running ... done in ") and lines[3].endswith("; 03-ddp.log")
+    assert lines[5].startswith("tour finished in ") and lines[5].endswith(" CPU-seconds)")
+    assert "step 2/2" not in proc.stdout  # the chapters' output is in their logs
+    table = [i for i, line in enumerate(lines) if line.startswith("| ")]
+    assert len(table) == 2 + 2 and table[-1] < len(lines) - 3
+    assert lines[-3].startswith("report (every column, the list of all ") and lines[-3].endswith("report.md")
+    assert lines[-2].startswith("plots: ") and lines[-1].startswith("logs: ")
+    logs = {name: (out / f"{name}.log").read_text() for name in ("01-single-gpu", "03-ddp")}
+    assert logs["01-single-gpu"].startswith("$ python 01-single-gpu/train_llm.py")  # the command, as typed
+    assert logs["03-ddp"].startswith("$ torchrun --standalone --nproc-per-node=2 03-ddp/train_llm.py")
+    assert all("step 2/2" in log for log in logs.values())
     report_md = (out / "report.md").read_text()
     for chapter in ("01-single-gpu", "03-ddp"):
         rows = [l for l in report_md.splitlines() if l.startswith(f"| {chapter}")]
         assert len(rows) == 1 and "CPU" in rows[0], report_md
+        assert f"`{chapter}.log`" in report_md
     for name in ("tokens_per_s.png", "step_time.png", "loss.png"):
         data = (out / name).read_bytes()
         assert data[:8] == PNG_SIGNATURE and len(data) > 1000
-    for log in ("01-single-gpu", "03-ddp"):
-        assert (out / f"{log}.log").stat().st_size > 0
-        assert f"`{log}.log`" in report_md
-    assert "tour finished in" in stdout
+    recorded = json.loads((out / "tour.json").read_text())
+    assert recorded["cpu_seconds"] > 0 and recorded["seconds"] > 0
+
+
+def test_a_running_command_s_live_line_and_verbose_output(tmp_path, capfd):
+    """While a command runs, the tour is called back about once a second (the live line a
+    terminal rewrites in place); --verbose shows the command's output as it comes, the
+    default only keeps it in the log."""
+    step = tour.Step("01-single-gpu", "x", [sys.executable, "-c", "import time; print('out', flush=True); "
+                                                                    "time.sleep(2.5)"], "python x")
+    seconds = []
+    assert tour.run_step(step, tmp_path / "quiet.log", stream=False, progress=seconds.append) == 0
+    assert len(seconds) >= 2 and seconds == sorted(seconds) and seconds[-1] >= 2
+    assert "out" not in capfd.readouterr().out and "out" in (tmp_path / "quiet.log").read_text()
+    assert tour.run_step(step, tmp_path / "verbose.log", stream=True) == 0
+    assert capfd.readouterr().out == "out\n"
 
 
 @pytest.mark.launch
 def test_a_chapter_added_to_the_list_is_in_the_tour_and_the_readme_checks(tmp_path):
     """A new chapter is its folder and one line in tools/chapters.py: in a copy of the
-    repository with a throwaway chapter 07 (chapter 03's script, a README), the tour plans
+    repository with a throwaway chapter 99 (chapter 03's script, a README), the tour plans
     it and the README tests collect it, with no other change."""
     import shutil
     copy = tmp_path / "repo"
     shutil.copytree(REPO, copy, ignore=shutil.ignore_patterns(".git", "outputs", "__pycache__", "*.egg-info"))
-    (copy / "07-throwaway").mkdir()
-    shutil.copy(copy / "03-ddp" / "train_llm.py", copy / "07-throwaway" / "train_llm.py")
-    (copy / "07-throwaway" / "README.md").write_text("# 07\n")
+    (copy / "99-throwaway").mkdir()
+    shutil.copy(copy / "03-ddp" / "train_llm.py", copy / "99-throwaway" / "train_llm.py")
+    (copy / "99-throwaway" / "README.md").write_text("# 99\n")
     chapters = copy / "tools" / "chapters.py"
     chapters.write_text(chapters.read_text().replace(
-        "\n)\nBY_FOLDER", '\n    Chapter("07-throwaway", "torchrun", "03-ddp", 0),\n)\nBY_FOLDER'))
+        "\n)\nBY_FOLDER", '\n    Chapter("99-throwaway", "torchrun", "03-ddp", 0),\n)\nBY_FOLDER'))
     env = {"PYTHONPATH": str(copy)}
-    plan = run([sys.executable, "-m", "tools.tour", "--dry-run", "--chapters", "07"], cwd=copy, env=env).stdout
-    assert "torchrun --standalone --nproc-per-node=2 07-throwaway/train_llm.py" in plan
+    plan = run([sys.executable, "-m", "tools.tour", "--dry-run", "--chapters", "99"], cwd=copy, env=env).stdout
+    assert "torchrun --standalone --nproc-per-node=2 99-throwaway/train_llm.py" in plan
     collected = run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
                      "tests/test_readmes.py", "tests/test_lessons.py"], cwd=copy, env=env).stdout
-    assert "07-throwaway" in collected
+    assert "99-throwaway" in collected
 
 
 def test_a_quoted_tilde_in_out_is_the_home_folder(tmp_path, monkeypatch):

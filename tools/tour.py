@@ -1,12 +1,13 @@
 """Run every chapter in order, then compare them: `python -m tools.tour`.
 
 Each chapter is launched as a real subprocess, exactly as its README launches it (python
-for 01 and 02, torchrun for 03, 04 and 05), on the embedded dataset with a small model
-and short runs: a few minutes on a laptop CPU, larger sizes on GPUs. Every chapter's full
-output is saved to `<out>/<name>.log`; at the end the terminal shows a narrow comparison
-(tokens/s, loss, notes) and chapter 05's tables (its overlap timeline too), and
-`<out>/report.md` holds everything: `tools.report`'s table with every column and its
-plots, chapter 05's tables, the explanations, and a list of every file produced.
+for 01 and 02, torchrun from 03 on), on the embedded dataset with a small model and short
+runs; larger sizes on GPUs. The terminal shows one line per chapter (a live line with the
+elapsed time while it runs); each chapter's whole output goes to `<out>/<name>.log`. At
+the end come a narrow comparison (tokens/s, loss, notes) and where everything is:
+`<out>/report.md` (`tools.report`'s table with every column, chapter 05's tables, the
+explanations, a list of every file produced), the plots and the logs. `--verbose` shows
+every chapter's output as it runs instead.
 
     python -m tools.tour                      # everything
     python -m tools.tour --chapters 01,03     # a subset
@@ -16,7 +17,11 @@ plots, chapter 05's tables, the explanations, and a list of every file produced.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
 import os
+import resource
+import select
 import shlex
 import subprocess
 import sys
@@ -62,8 +67,10 @@ def default_sizes(gpus: int) -> Sizes:
     if gpus:
         # GPT-2-small class at a realistic sequence length; still about a minute a chapter
         return Sizes("base", 1024, 8, 100, gpus, 20, 2, 256 * 2**20, 20)
-    # about 20-40 s a chapter on a 2-core CPU; two processes, as a reader's laptop can
-    return Sizes("small", 128, 8, 30, 2, 4, 0, 4 * 2**20, 5)
+    # two processes, as a reader's laptop can; 20 steps (30 before): the loss falls, chapter
+    # 04's crash lands between two checkpoints, for a third less time (tour.json records
+    # the CPU-seconds a tour took)
+    return Sizes("small", 128, 8, 20, 2, 4, 0, 4 * 2**20, 5)
 
 
 def parse_chapters(text: str) -> list[str]:
@@ -88,13 +95,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-preset", "--preset", dest="preset", default=None, type=one_of(*PRESETS),
                    help=f"model preset ({', '.join(PRESETS)}); default: small on CPU, base on GPU")
     p.add_argument("--max-steps", "--steps", dest="steps", type=int, default=None,
-                   help="optimizer steps per chapter (default: 30 on CPU, 100 on GPU)")
+                   help="optimizer steps per chapter (default: 20 on CPU, 100 on GPU)")
     p.add_argument("--seq-length", type=int, default=None, help="default: 128 on CPU, 1024 on GPU")
     p.add_argument("--batch-size", type=int, default=None, help="per process; default 8")
     p.add_argument("--nproc-per-node", "--nproc", dest="nproc", type=int, default=None,
-                   help="processes for 03/04/05 (default: the number of GPUs, else 2)")
+                   help="processes for every chapter torchrun launches, 03 on (default: the number of "
+                        "GPUs, else 2)")
     p.add_argument("--out", default=None, help="tour folder (default: outputs/tour-<timestamp>)")
-    p.add_argument("--quiet", action="store_true", help="one line per chapter instead of its output")
+    p.add_argument("--verbose", action="store_true",
+                   help="show every chapter's output as it runs (default: one line per chapter; the "
+                        "output goes to its log)")
+    p.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)  # the default now
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     return p
 
@@ -130,6 +141,13 @@ def parse_args(argv=None, gpus: int | None = None) -> argparse.Namespace:
     if not gpus and sizes.nproc > max(4, cores):
         raise UsageError(f"--nproc-per-node {sizes.nproc}: this machine has {cores} CPU cores; more than "
                          f"{max(4, cores)} processes would only share them")
+    if args.nproc is not None:  # the reader's choice: every chapter torchrun launches must take it
+        for chapter in args.chapter_list:
+            multiple, flags = world_multiple(chapter)
+            if sizes.nproc % multiple:
+                raise UsageError(f"--nproc-per-node {sizes.nproc}: the tour runs chapter {chapter} with "
+                                 f"{' '.join(flags)}, so its world size must be a multiple of {multiple}; "
+                                 f"choose a multiple of {multiple}, or leave {chapter[:2]} out with --chapters")
     if "04-checkpointing" in args.chapter_list and sizes.steps < 3:
         raise UsageError(f"--max-steps {sizes.steps}: chapter 04 needs at least 3 (a checkpoint, "
                          f"then a crash, then the resumed run)")
@@ -141,6 +159,18 @@ def parse_args(argv=None, gpus: int | None = None) -> argparse.Namespace:
     check_writable_folder(out, "--out")  # read-only or under a file: say so now, not at the end
     args.out_dir = out.resolve()
     return args
+
+
+def world_multiple(chapter: str) -> tuple[int, list[str]]:
+    """(m, flags): a torchrun chapter's world size must be a multiple of m, the product of
+    the model-parallel sizes the tour passes it (--tp, --pp, --cp among its tour flags:
+    2 for chapter 06's --pp 2); 1 and no flags for the others."""
+    flags, m, said = list(BY_FOLDER[chapter].tour_flags), 1, []
+    for name in ("--tp", "--pp", "--cp"):
+        if name in flags and BY_FOLDER[chapter].launcher == "torchrun":
+            value = int(flags[flags.index(name) + 1])
+            m, said = m * value, [*said, name, str(value)]
+    return m, said
 
 
 def unused_default_out() -> Path:
@@ -164,6 +194,28 @@ def _rel(path: Path) -> str:
         return str(path)
 
 
+def launch_for(args, chapter: str) -> tuple[int, dict, Sizes, str]:
+    """(processes, environment, sizes, note) of a chapter torchrun launches. Chapter 05
+    needs two processes or more, and a chapter run with model-parallel flags a multiple
+    of their product: where the GPUs here do not give that (one GPU, say), it runs on
+    that many CPU processes over gloo (CUDA hidden), at the CPU sizes except where the
+    reader chose them: the same lesson, slower. (A --nproc-per-node chosen that does not
+    fit was refused in parse_args.)"""
+    s = args.sizes
+    multiple, flags = world_multiple(chapter)
+    need = max(2, multiple) if chapter == "05-collectives" else multiple
+    if s.nproc >= need and s.nproc % multiple == 0:
+        return s.nproc, {}, s, ""
+    sizes = default_sizes(0) if args.gpus else dataclasses.replace(s)
+    for name in ("preset", "steps", "seq_length", "batch_size"):
+        if getattr(args, name) is not None:
+            setattr(sizes, name, getattr(args, name))
+    why = "collectives need two or more processes" if chapter == "05-collectives" else \
+        f"{' '.join(flags)} needs a multiple of {multiple} processes"
+    note = (f"{why}: running {need} CPU processes (gloo)" + (" with CUDA hidden" if args.gpus else ""))
+    return need, ({"CUDA_VISIBLE_DEVICES": ""} if args.gpus else {}), sizes, note
+
+
 def build_plan(args) -> list[Step]:
     """The commands of the tour, in order."""
     s: Sizes = args.sizes
@@ -182,58 +234,45 @@ def build_plan(args) -> list[Step]:
         display = (shown + " " if shown else "") + shlex.join(show_prefix + rest)
         return Step(chapter, name, exec_prefix + rest, display, env, note)
 
-    def train_flags(name):
+    def train_flags(name, sizes):
         return ["--experiment-name", name, "--save-dir", out, "--dataset-name", "stdlib",
-                "--model-preset", s.preset, "--seq-length", str(s.seq_length),
-                "--batch-size", str(s.batch_size), "--max-steps", str(s.steps),
+                "--model-preset", sizes.preset, "--seq-length", str(sizes.seq_length),
+                "--batch-size", str(sizes.batch_size), "--max-steps", str(sizes.steps),
                 # --max-steps decides the length; enough epochs that the small corpus
                 # never ends a run first
-                "--num-epochs", "100", "--warmup-steps", str(max(1, s.steps // 10)),
-                "--log-freq", str(max(1, s.steps // 10)), "--val-batches", str(s.val_batches),
-                "--num-workers", str(s.num_workers)]
+                "--num-epochs", "100", "--warmup-steps", str(max(1, sizes.steps // 10)),
+                "--log-freq", str(max(1, sizes.steps // 10)), "--val-batches", str(sizes.val_batches),
+                "--num-workers", str(sizes.num_workers)]
 
     plan = []
     for chapter in args.chapter_list:
         c, script = BY_FOLDER[chapter], f"{chapter}/train_llm.py"
-        launch = (py_exec, py_show) if c.launcher == "python" else torchrun(s.nproc)
-        flags, note = [script, *train_flags(chapter), *c.tour_flags], ""
+        n, env, sizes, note = (1, {}, s, "") if c.launcher == "python" else launch_for(args, chapter)
+        launch = (py_exec, py_show) if c.launcher == "python" else torchrun(n)
+        flags = [script, *train_flags(chapter, sizes), *c.tour_flags]
         if chapter == "02-data-parallel":
             note = ("one process; DataParallel splits each batch over the visible GPUs"
                     if args.gpus > 1 else
                     "one process; with fewer than 2 GPUs DataParallel has nothing to split "
                     "over, so the script trains the plain module and says so")
         elif chapter == "04-checkpointing":  # a crash on purpose, and torchrun's restart
-            freq, crash = crash_plan(s.steps)
+            freq, crash = crash_plan(sizes.steps)
             launch = tuple(prefix + ["--max-restarts=3"] for prefix in launch)
             flags += ["--ckpt-freq", str(freq), "--crash-at-step", str(crash)]
             note = (f"checkpoints every {freq} steps and crashes on purpose at step {crash}; "
                     f"torchrun restarts it and it resumes from step {freq}")
         elif chapter == "03-ddp":
-            note = f"{s.nproc} process(es) of batch {s.batch_size}: global batch {s.nproc * s.batch_size}"
+            note = f"{n} process(es) of batch {sizes.batch_size}: global batch {n * sizes.batch_size}"
         if chapter == "05-collectives":
-            plan += collectives_steps(args, out, step, torchrun)
+            plan += collectives_steps(args, out, step, torchrun(n), env, sizes, note)
         else:
-            plan.append(step(chapter, chapter, launch, flags, note=note))
+            plan.append(step(chapter, chapter, launch, flags, env, note))
     return plan
 
 
-def collectives_steps(args, out, step, torchrun) -> list[Step]:
-    """Chapter 05 needs two or more processes. With fewer GPUs than that, it runs two CPU
-    processes over gloo (CUDA hidden), which shows the same collectives, just slower."""
-    s: Sizes = args.sizes
-    env, note, n = {}, "", s.nproc
-    sizes = s
-    if n < 2:
-        n = 2
-        if args.gpus:
-            env = {"CUDA_VISIBLE_DEVICES": ""}
-            # CPU sizes, except where the reader chose them
-            sizes = default_sizes(0)
-            for name in ("preset", "steps", "seq_length", "batch_size"):
-                if getattr(args, name) is not None:
-                    setattr(sizes, name, getattr(args, name))
-        note = ("collectives need two or more processes: running 2 CPU processes (gloo)"
-                + (" with CUDA hidden" if args.gpus else ""))
+def collectives_steps(args, out, step, launch, env, sizes, note) -> list[Step]:
+    """Chapter 05's scripts, one after another, on `launch` (torchrun of two or more
+    processes: launch_for)."""
     # each mode of ddp_from_scratch trains from scratch: a few steps show it equals DDP
     scratch_steps = max(2, sizes.steps // 5)
     # on GPUs also the overlapped mode (what DDP does); on CPU it only adds minutes
@@ -243,23 +282,23 @@ def collectives_steps(args, out, step, torchrun) -> list[Step]:
     timeline_modes = [] if args.gpus and not env else ["--modes", "naive,ddp,ch03-ddp,fsdp2"]
     d = "05-collectives"
     return [
-        step(d, "05-collectives-demo", torchrun(n), [f"{d}/collectives_demo.py"], env, note),
-        step(d, "05-bench", torchrun(n),
+        step(d, "05-collectives-demo", launch, [f"{d}/collectives_demo.py"], env, note),
+        step(d, "05-bench", launch,
              [f"{d}/bench_collectives.py", "--max-bytes", str(sizes.bench_max_bytes),
               "--iters", str(sizes.bench_iters), "--save-dir", out,
               "--experiment-name", "05-bench"], env, note),
-        step(d, "05-ddp-from-scratch", torchrun(n),
+        step(d, "05-ddp-from-scratch", launch,
              [f"{d}/ddp_from_scratch.py", "--model-preset", sizes.preset,
               "--seq-length", str(sizes.seq_length), "--batch-size", str(sizes.batch_size),
               "--steps", str(scratch_steps), *modes, "--save-dir", out,
               "--experiment-name", "05-ddp-from-scratch"], env, note),
         # sharded training rebuilt from collectives (ZeRO-1, ZeRO-3, FSDP2)
-        step(d, "05-sharded-from-scratch", torchrun(n),
+        step(d, "05-sharded-from-scratch", launch,
              [f"{d}/sharded_from_scratch.py", "--model-preset", sizes.preset,
               "--seq-length", str(sizes.seq_length), "--batch-size", str(sizes.batch_size),
               "--steps", str(scratch_steps), "--timing-warmup", str(min(2, scratch_steps - 1)),
               "--save-dir", out, "--experiment-name", "05-sharded-from-scratch"], env, note),
-        step(d, "05-overlap-timeline", torchrun(n),
+        step(d, "05-overlap-timeline", launch,
              [f"{d}/overlap_timeline.py", "--model-preset", sizes.preset,
               "--seq-length", str(sizes.seq_length), "--batch-size", str(sizes.batch_size),
               *timeline_modes, "--save-dir", out, "--experiment-name", "05-overlap-timeline"], env, note),
@@ -277,23 +316,32 @@ def _clock(seconds: float) -> str:
     return f"{m}m{s:02d}s" if m else f"{seconds:.1f}s"
 
 
-def run_step(step: Step, log_path: Path, quiet: bool) -> int:
-    """Run one command, its output streamed live (unless quiet) and saved to the log.
-    Raw bytes pass through, so progress bars keep working in a terminal."""
+def run_step(step: Step, log_path: Path, stream: bool, progress=None) -> int:
+    """Run one command, its output saved to the log, and streamed live with `stream`
+    (raw bytes, so progress bars keep working in a terminal). `progress(seconds)` is
+    called about once a second while it runs: the live line."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **step.env}
-    if not quiet and sys.stdout.isatty():  # the children see a pipe: ask them for bars anyway
+    if stream and sys.stdout.isatty():  # the children see a pipe: ask them for bars anyway
         env["LLM_GUIDE_PROGRESS"] = "1"
+    started = time.perf_counter()
     with open(log_path, "wb") as log:
         log.write(f"$ {step.display}\n".encode())
         log.flush()
         proc = subprocess.Popen(step.argv, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT)
+        out = proc.stdout.fileno()
         try:
-            while chunk := os.read(proc.stdout.fileno(), 65536):
-                log.write(chunk)
-                if not quiet:
-                    sys.stdout.buffer.write(chunk)
-                    sys.stdout.flush()
+            while True:
+                if select.select([out], [], [], 1.0)[0]:
+                    chunk = os.read(out, 65536)
+                    if not chunk:
+                        break
+                    log.write(chunk)
+                    if stream:
+                        sys.stdout.buffer.write(chunk)
+                        sys.stdout.flush()
+                if progress:
+                    progress(time.perf_counter() - started)
         except KeyboardInterrupt:
             proc.wait()  # the child got the same Ctrl-C; let it finish its cleanup
             raise
@@ -360,12 +408,17 @@ def explanations(args, runs) -> list[str]:
     return said
 
 
-def print_summary(args, steps_run: list[Step], started: float):
-    """A narrow table in the terminal (tokens/s, loss, notes), the explanations and
-    chapter 05's tables; report.md holds all of that, the wide table, the plots and a
-    list of every file the tour produced."""
+def cpu_seconds() -> float:
+    """CPU time of this process and of every process it started (torchrun's workers too)."""
+    me, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
+
+
+def print_summary(args, steps_run: list[Step], started: float) -> None:
+    """report.md (the wide table, the explanations, chapter 05's tables, the plots, a list
+    of every file the tour produced); then, in the terminal, the explanations, a narrow
+    table a terminal fits (tokens/s, loss, notes) and, last, where everything is."""
     out = args.out_dir
-    print(f"\n=== tour finished in {_clock(time.perf_counter() - started)}: comparison ===\n", flush=True)
     runs = report.load_runs(report.find_summaries([out]))
     said = explanations(args, runs) if runs else []
     # what a chapter's scripts want in the report beyond their summary.json (chapter 05's
@@ -378,24 +431,24 @@ def print_summary(args, steps_run: list[Step], started: float):
     produced = sorted(p.relative_to(out) for p in out.rglob("*") if p.is_file())
     with open(md, "a") as f:
         f.write("\n## Files\n\n" + "".join(f"- `{p}`\n" for p in produced))
+    print(f"\ntour finished in {_clock(time.perf_counter() - started)} ({cpu_seconds():,.0f} CPU-seconds)")
+    for text in said:
+        print(f"\n{text}")
     if runs:
         table, notes = report.narrow_table(runs)
-        print(table)
-        if notes:
-            print("\nnotes:\n" + "\n".join(notes))
         warning = report.device_warning(runs)
         if warning:
             print(f"\n{warning}")
-    for text in said:
-        print(f"\n{text}")
-    for path, table in tables:
-        print(f"\n{path.parent.name} ({_rel(path)}):\n\n{table}")
-    print(f"\nthe full comparison (every column), the chapters' tables and the list of all "
-          f"{len(produced)} files: {_rel(md)}; beside it:")
-    for f in files[1:]:
-        print(f"  {_rel(f)}")
-    for st in steps_run:
-        print(f"  {_rel(out / (st.name + '.log'))}")
+        print(f"\n{table}")
+        if notes:
+            print("\nnotes:\n" + "\n".join(notes))
+    chapter05 = f", chapter 05's {len(tables)} tables" if tables else ""
+    print(f"\nreport (every column{chapter05}, the list of all {len(produced)} files): {_rel(md)}")
+    if files[1:]:
+        print(f"plots: {', '.join(_rel(f) for f in files[1:])}")
+    if steps_run:
+        print(f"logs: {_rel(out)}/<name>.log, one per command "
+              f"({', '.join(st.name + '.log' for st in steps_run)})")
 
 
 def main(argv=None) -> int:
@@ -429,50 +482,63 @@ def main(argv=None) -> int:
     # locked while the tour runs, as a chapter's run folder: an --out given to two tours
     # at once is refused to the second (one line, exit 2), not written by both
     claim_run_folder(args.out_dir, flag="--out")
-    print(f"tour of {total} chapter(s) into {_rel(args.out_dir)}: preset {args.sizes.preset}, "
-          f"seq {args.sizes.seq_length}, batch {args.sizes.batch_size} per process, "
-          f"{args.sizes.steps} steps, {args.sizes.nproc} process(es) for torchrun chapters"
-          + (f", {args.gpus} GPU(s)" if args.gpus else ", CPU"), flush=True)
+    s = args.sizes
+    print(f"tour of {total} chapter(s) into {_rel(args.out_dir)}: preset {s.preset}, seq {s.seq_length}, "
+          f"batch {s.batch_size} per process, {s.steps} steps, {s.nproc} process(es) for the chapters "
+          f"torchrun launches" + (f", {args.gpus} GPU(s)" if args.gpus else ", CPU"), flush=True)
+    if not args.verbose:
+        print(f"each chapter's output goes to its log in {_rel(args.out_dir)}/ (--verbose shows it here)",
+              flush=True)
     started = time.perf_counter()
     done = []
-    for st in plan:
-        tag = f"[{index[st.chapter]}/{total}] {st.chapter}"
-        log_path = args.out_dir / f"{st.name}.log"
-        t0 = time.perf_counter()
-        if args.quiet:
-            print(f"{tag}: {Path(script_of(st)).name} ...", end=" ", flush=True)
-        else:
-            print(f"\n=== {tag}: {Path(script_of(st)).name} "
-                  f"(tour at {_clock(t0 - started)}) ===", flush=True)
-            if st.note:
-                print(f"# {st.note}")
-            print(f"$ {st.display}\n", flush=True)
-        try:
-            status = run_step(st, log_path, args.quiet)
-        except KeyboardInterrupt:
-            print(f"\ninterrupted during {st.chapter}; its output so far is in {_rel(log_path)}",
-                  file=sys.stderr)
-            return 130
-        took = _clock(time.perf_counter() - t0)
-        if status != 0:
-            if args.quiet:
-                print("FAILED", flush=True)
-                print(log_tail(log_path), file=sys.stderr)
-            cause = chapter_error(log_path)
-            print(f"\nerror: chapter {st.chapter} failed with exit status {status} after {took}"
-                  + (f"; it said:\n  {cause}" if cause else "") +
-                  f"\n  command: {st.display}\n  full output: {_rel(log_path)}", file=sys.stderr)
-            return 1
-        done.append(st)
-        if args.quiet:
-            print(f"ok ({took})", flush=True)
-        else:
+    live = sys.stdout.isatty() and not args.verbose  # a line that counts the seconds, rewritten in place
+    for chapter in args.chapter_list:
+        steps = [st for st in plan if st.chapter == chapter]
+        tag, t0 = f"[{index[chapter]}/{total}] {chapter}", time.perf_counter()
+        if not args.verbose and not live:
+            print(f"{tag}: running ...", end=" ", flush=True)
+        for k, st in enumerate(steps, 1):
+            log_path = args.out_dir / f"{st.name}.log"
+            what = Path(script_of(st)).name + (f" ({k} of {len(steps)})" if len(steps) > 1 else "")
+            if args.verbose:
+                print(f"\n=== {tag}: {what} (tour at {_clock(time.perf_counter() - started)}) ===", flush=True)
+                if st.note:
+                    print(f"# {st.note}")
+                print(f"$ {st.display}\n", flush=True)
+
+            def progress(seconds, what=what):
+                print(f"\r{tag}: {what}, {_clock(time.perf_counter() - t0)} (tour at "
+                      f"{_clock(time.perf_counter() - started)})\x1b[K", end="", flush=True)
+            try:
+                status = run_step(st, log_path, stream=args.verbose, progress=progress if live else None)
+            except KeyboardInterrupt:
+                print(f"\ninterrupted during {st.chapter}; its output so far is in {_rel(log_path)}",
+                      file=sys.stderr)
+                return 130
+            if status != 0:
+                took = _clock(time.perf_counter() - t0)
+                print(f"\r{tag}: FAILED\x1b[K" if live else "FAILED", flush=True)
+                if not args.verbose:
+                    print(log_tail(log_path), file=sys.stderr)
+                cause = chapter_error(log_path)
+                print(f"\nerror: chapter {st.chapter} failed with exit status {status} after {took}"
+                      + (f"; it said:\n  {cause}" if cause else "") +
+                      f"\n  command: {st.display}\n  full output: {_rel(log_path)}", file=sys.stderr)
+                return 1
+            done.append(st)
+        took, at = _clock(time.perf_counter() - t0), _clock(time.perf_counter() - started)
+        logs = ", ".join(f"{st.name}.log" for st in steps)
+        if args.verbose:
             print(f"\n=== {tag}: done in {took} ===", flush=True)
+        else:
+            print(f"\r{tag}: done in {took} (tour at {at}); {logs}\x1b[K" if live else
+                  f"done in {took} (tour at {at}); {logs}", flush=True)
     print_summary(args, done, started)
     # what `python -m tools.results --record` keeps of a tour: how it was run, and when
     write_json(args.out_dir / "tour.json", {
         "command": shlex.join(["python", "-m", "tools.tour", *(sys.argv[1:] if argv is None else argv)]),
         "date": time.strftime("%Y-%m-%d"), "seconds": round(time.perf_counter() - started),
+        "cpu_seconds": round(cpu_seconds()), "cpu_cores": os.cpu_count(),
         "chapters": args.chapter_list, "gpus": args.gpus, "sizes": vars(args.sizes)})
     return 0
 
