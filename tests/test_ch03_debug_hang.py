@@ -73,7 +73,7 @@ def test_a_hang_shows_every_stack_and_detail_names_the_missing_rank(tmp_path):
     # that never came
     assert f"rank 0 failed in step 2: [Rank 0]: Ranks 1 failed to pass monitoredBarrier in {timeout * 1000} ms" \
         in out, out + err
-    assert waited < timeout + 30
+    assert waited < timeout + 60  # the timeout, with room for a busy machine
 
 
 def test_the_stacks_quoted_in_the_readme_name_the_lines_of_the_script():

@@ -252,7 +252,7 @@ def test_a_signal_saves_a_checkpoint_and_the_rerun_continues_exactly(tmp_path, u
         kill_job(job.pid)
     seconds = time.monotonic() - t0
     out = (tmp_path / "job.log").read_text()
-    assert job.returncode != 0 and seconds < 30, (job.returncode, seconds)
+    assert job.returncode != 0 and seconds < 60, (job.returncode, seconds)  # a step and a save, on a busy machine too
     lines = [line for line in out.splitlines() if line.startswith("interrupted at step")]
     assert len(lines) == 1, out[-3000:]
     step = int(lines[0].split()[3])
