@@ -9,12 +9,14 @@ from __future__ import annotations
 import errno
 import os
 import json
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from tools.bench_model import loss_of, main, make_optimizer, train_step
+from conftest import run_warm
 from common.files import write_json
 from common.model import LlamaForCausalLM, get_config
 
@@ -98,3 +100,22 @@ def test_a_failed_write_is_not_hidden_by_its_cleanup(tmp_path, monkeypatch):
     with pytest.raises(OSError) as raised:
         write_json(tmp_path / "bench.json", {"rows": []})
     assert raised.value.errno == errno.ENOSPC and raised.value.__context__ is None
+
+
+def test_running_out_of_memory_is_one_line():
+    """A vocabulary or a batch too large for the machine (here its memory limited, as
+    clusters limit it with ulimit -v) was a traceback: one line naming the flags to lower,
+    exit status 1, as the chapters end."""
+    code = """
+import resource, runpy, sys
+size = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmSize")) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (size + (2 << 30), size + (2 << 30)))
+sys.argv = ["bench_model", "--presets", "tiny", "--no-compile", "--device", "cpu", *sys.argv[1:]]
+runpy.run_module("tools.bench_model", run_name="__main__")
+"""
+    for flags, tried in ((["--vocab-size", "4000000000"], 1024000000000), (["--batch-size", "100000000"], 205600000000)):
+        proc = run_warm([sys.executable, "-c", code, *flags], check=False)
+        assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
+        assert proc.stderr.startswith("error: out of memory (") and f"you tried to allocate {tried} bytes" in \
+            proc.stderr and proc.stderr.endswith(": try a smaller --batch-size, --seq-length, --vocab-size or "
+                                                 "preset\n"), proc.stderr

@@ -677,3 +677,42 @@ def test_an_unreadable_file_of_a_folder_is_named(tmp_path, suffix, good, bad):
     with pytest.raises(DataError) as err:
         load_corpus(str(root))
     assert one_line(err).startswith(f"could not read {str(root / f'b{suffix}')!r} as text or JSON lines (")
+
+
+def test_empty_files_a_fifo_and_a_line_without_whitespace(tmp_path, caplog):
+    """A folder (or file) whose files are all empty was datasets' SchemaInferenceError
+    ("Please pass features"), a flag no one has: it is the empty dataset's line. A FIFO
+    named as the dataset was "does not exist", and is never opened (reading it blocks).
+    A 300,000-character line without whitespace (minified JSON, base64) took BPE's
+    training minutes (its time grows with the square of a word's length): the training
+    cuts such runs into 1,000-character pieces, says so, and tokenizes the text whole."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "a.txt").write_text("")
+    for name in (tmp_path / "empty", tmp_path / "empty" / "a.txt"):
+        with pytest.raises(DataError) as err:
+            load_corpus(str(name))
+        assert one_line(err) == f"dataset {str(name)!r} is empty (no non-blank documents: its file is empty)"
+    os.mkfifo(tmp_path / "fifo.txt")
+    for name in (tmp_path / "fifo.txt", tmp_path / "fif*"):
+        with pytest.raises(DataError) as err:
+            data.check_dataset_name(str(name))  # before any work: only named, never opened
+        assert one_line(err) == (f"local dataset {str(name)!r} is not a regular file or a folder (a FIFO, "
+                                 f"socket or device is not read); name a file, folder or glob of files")
+
+    text = "def f(x):\n    return x\n\n" * 20
+    run = "".join(chr(ord("a") + (i * 7919) % 26) for i in range(300_000))  # letters only: one word
+    cuts = [0]
+    pieces = [piece for batch in data.long_runs_cut([[text + run + "\n" + text]], cuts) for piece in batch]
+    assert [len(piece) for piece in pieces] == [len(text), *[data.LONGEST_WORD] * 300, len("\n" + text)]
+    assert cuts == [1] and "".join(next(data.long_runs_cut([[text + run]], [0]))) == text + run
+    (tmp_path / "minified").mkdir()
+    (tmp_path / "minified" / "a.txt").write_text(text + run + "\n")
+    started = time.process_time()
+    with caplog.at_level(logging.INFO, logger="common.data"):
+        tok, _ = data.get_tokenizer(open_corpus(str(tmp_path / "minified")), 400, cache_dir=tmp_path / "cache")
+    assert time.process_time() - started < 30  # minutes, before
+    assert [r.getMessage() for r in caplog.records if "without whitespace" in r.getMessage()] == [
+        "the tokenizer's training cut 1 run(s) of more than 1000 characters without whitespace (minified "
+        "JSON, base64, ...) into pieces of 1000: BPE's time grows with the square of a word's length; the "
+        "corpus itself is tokenized whole"]
+    assert tok.decode(tok.encode(run).ids) == run

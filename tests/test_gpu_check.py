@@ -60,6 +60,11 @@ def test_refusals_are_one_line_before_anything_is_made(tmp_path, capsys):
     line = refused(capsys, gpu_check.parse_args, ["--out", tmp_path / "used", "--dry-run"])
     assert "is not an empty folder" in line
     assert "--out is required" in refused(capsys, gpu_check.parse_args, [])
+    # under a file: was NotADirectoryError at the first result, after the checks
+    (tmp_path / "a-file").write_text("")
+    line = refused(capsys, gpu_check.parse_args, ["--out", tmp_path / "a-file" / "sub", "--rehearsal"])
+    assert line == (f"error: --out {str(tmp_path / 'a-file' / 'sub')!r}: {str(tmp_path / 'a-file')!r} "
+                    f"is a file, not a folder")
 
 
 def test_a_step_runs_from_the_repo_with_its_log_and_status(tmp_path, capsys):
