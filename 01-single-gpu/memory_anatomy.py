@@ -24,20 +24,17 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 from tqdm import tqdm
 
-# Runnable from the repo root or from inside this folder, installed or not.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common.cli import DEFAULT_SAVE_DIR, DTYPES, Parser, check_device, check_launch_one, check_run_folder, \
-    one_of, positive_int, seed_value  # noqa: E402
-from common.data import show_progress  # noqa: E402
-from common.errors import MODEL_OOM_ADVICE, UsageError, run_main  # noqa: E402
-from common.files import write_json  # noqa: E402
+    one_of, positive_int, seed_value
+from common.data import show_progress
+from common.errors import MODEL_OOM_ADVICE, UsageError, run_main
+from common.files import write_json
 from common.model import PRESETS, LlamaForCausalLM, flops_per_token, get_config, non_matmul_params, \
-    num_parameters, shares_kv_heads  # noqa: E402
-from common.runfolder import claim_run_folder  # noqa: E402
-from common.tables import markdown_table  # noqa: E402
-from common.training import build_optimizer  # noqa: E402
-from train_llm import compute_loss, setup  # noqa: E402
+    num_parameters, shares_kv_heads
+from common.runfolder import claim_run_folder
+from common.tables import markdown_table
+from common.training import build_optimizer
+from train_llm import compute_loss, setup
 
 NAME = "memory-anatomy"
 # MemTracker's categories (its _MemRefType values) gathered into the ones plotted

@@ -30,19 +30,17 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-# Runnable from the repo root or from inside this folder, installed or not.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.cli import positive_int  # noqa: E402
-from common.data import IGNORE_INDEX, show_progress  # noqa: E402
-from common.demos import fixed_batches, script_parser, start_demo  # noqa: E402
-from common.distributed import DDP_NO_BUFFER_SYNC, gc_and_destroy_process_group  # noqa: E402
-from common.environment import device_name, environment_info, share_cpu_threads  # noqa: E402
-from common.errors import MODEL_OOM_ADVICE, run_main  # noqa: E402
-from common.files import write_json  # noqa: E402
-from common.model import LlamaForCausalLM, get_config, num_parameters  # noqa: E402
-from common.runfolder import claim_run_folder  # noqa: E402
-from common.tables import markdown_table  # noqa: E402
-from common.training import build_optimizer  # noqa: E402
+from common.cli import positive_int
+from common.data import IGNORE_INDEX, show_progress
+from common.demos import fixed_batches, script_parser, start_demo
+from common.distributed import DDP_NO_BUFFER_SYNC, gc_and_destroy_process_group
+from common.environment import device_name, environment_info, share_cpu_threads
+from common.errors import MODEL_OOM_ADVICE, run_main
+from common.files import write_json
+from common.model import LlamaForCausalLM, get_config, num_parameters
+from common.runfolder import claim_run_folder
+from common.tables import markdown_table
+from common.training import build_optimizer
 
 MIB = 2**20
 

@@ -19,15 +19,12 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-# Runnable from the repo root or from inside this folder, installed or not.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.cli import one_of, positive_int  # noqa: E402
-from common.demos import script_parser, start_demo  # noqa: E402
+from common.cli import one_of, positive_int
+from common.demos import script_parser, start_demo
 
 GRAD_NUMEL = 1000  # the stand-in for one gradient bucket
 LINGER_S = 3  # after a failure, time for the other ranks to print theirs

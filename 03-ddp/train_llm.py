@@ -12,15 +12,9 @@ import itertools
 import json
 import os
 import random
-import signal
-import sys
 from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
-
-# Ctrl-C while the imports below run (seconds) waits for run_main, which says it in one line
-if __name__ == "__main__" and hasattr(signal, "pthread_sigmask"):
-    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
 
 import torch
 import torch.distributed as dist
@@ -28,18 +22,16 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-# Runnable from the repo root or from inside this folder, installed or not.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.cli import base_parser, positive_int, setup_logging  # noqa: E402
-from common.data import IGNORE_INDEX, build_datasets, check_enough_samples, dataset_info, local_rank0_first, worker_start_method  # noqa: E402
-from common.distributed import DDP_NO_BUFFER_SYNC, backend_for, gc_and_destroy_process_group  # noqa: E402
-from common.environment import environment_info, exit_with_launcher, set_tf32, share_cpu_threads  # noqa: E402
-from common.errors import run_main  # noqa: E402
-from common.masks import build_attention_mask  # noqa: E402
-from common.model import LlamaForCausalLM, describe, flops_per_token, get_config, num_parameters  # noqa: E402
-from common.runfolder import claim_run_folder, save_weights  # noqa: E402
-from common.metrics import Tracker  # noqa: E402
-from common.training import build_optimizer, evaluate, lr_lambda, sample  # noqa: E402
+from common.cli import base_parser, positive_int, setup_logging
+from common.data import IGNORE_INDEX, build_datasets, check_enough_samples, dataset_info, local_rank0_first, worker_start_method
+from common.distributed import DDP_NO_BUFFER_SYNC, backend_for, gc_and_destroy_process_group
+from common.environment import environment_info, exit_with_launcher, set_tf32, share_cpu_threads
+from common.errors import run_main
+from common.masks import build_attention_mask
+from common.model import LlamaForCausalLM, describe, flops_per_token, get_config, num_parameters
+from common.runfolder import claim_run_folder, save_weights
+from common.metrics import Tracker
+from common.training import build_optimizer, evaluate, lr_lambda, sample
 
 CHAPTER = "03-ddp"
 

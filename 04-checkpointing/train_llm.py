@@ -14,15 +14,9 @@ import itertools
 import json
 import os
 import random
-import signal
-import sys
 from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
-
-# Ctrl-C while the imports below run (seconds) waits for run_main, which says it in one line
-if __name__ == "__main__" and hasattr(signal, "pthread_sigmask"):
-    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
 
 import torch
 import torch.distributed as dist
@@ -30,22 +24,20 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-# Runnable from the repo root or from inside this folder, installed or not; the lesson's
-# modules lie beside this script.
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
-from checkpoint import (ResumableSampler, TrainState, checkpoint_candidates, checkpoint_folder, load_latest,  # noqa: E402
+from common.cli import base_parser, non_negative_int, positive_int, setup_logging
+from common.data import IGNORE_INDEX, build_datasets, check_enough_samples, dataset_info, local_rank0_first, worker_start_method
+from common.distributed import DDP_NO_BUFFER_SYNC, backend_for, gc_and_destroy_process_group, init_process_group_for_restarts
+from common.environment import environment_info, exit_with_launcher, set_tf32, share_cpu_threads
+from common.errors import run_main
+from common.masks import build_attention_mask
+from common.model import LlamaForCausalLM, describe, flops_per_token, get_config, num_parameters
+from common.runfolder import archive_run, claim_run_folder, outputs_complete, save_weights
+from common.metrics import Tracker
+from common.training import build_optimizer, evaluate, lr_lambda, sample
+
+from checkpoint import (ResumableSampler, TrainState, checkpoint_candidates, checkpoint_folder, load_latest,
                         rebuild_ddp_buckets, run_settings, save_checkpoint)
-from preemption import StopRequest, data_worker_ignores_stops, holding_sigterm  # noqa: E402
-from common.cli import base_parser, non_negative_int, positive_int, setup_logging  # noqa: E402
-from common.data import IGNORE_INDEX, build_datasets, check_enough_samples, dataset_info, local_rank0_first, worker_start_method  # noqa: E402
-from common.distributed import DDP_NO_BUFFER_SYNC, backend_for, gc_and_destroy_process_group, init_process_group_for_restarts  # noqa: E402
-from common.environment import environment_info, exit_with_launcher, set_tf32, share_cpu_threads  # noqa: E402
-from common.errors import run_main  # noqa: E402
-from common.masks import build_attention_mask  # noqa: E402
-from common.model import LlamaForCausalLM, describe, flops_per_token, get_config, num_parameters  # noqa: E402
-from common.runfolder import archive_run, claim_run_folder, outputs_complete, save_weights  # noqa: E402
-from common.metrics import Tracker  # noqa: E402
-from common.training import build_optimizer, evaluate, lr_lambda, sample  # noqa: E402
+from preemption import StopRequest, data_worker_ignores_stops, holding_sigterm
 
 CHAPTER = "04-checkpointing"
 

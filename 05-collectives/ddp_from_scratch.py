@@ -40,8 +40,8 @@ from common.runfolder import claim_run_folder
 from common.tables import markdown_table
 from common.training import build_optimizer
 
-from proof import (NotFinite, adam_step_bound, exact_kernels, first_not_finite, gradient_bound,
-                   max_abs_difference, max_difference_to_rank0, max_over_ranks, stop_if_any)
+from proof import (NotFinite, adam_step_bound, exact_kernels, gradient_bound, max_abs_difference,
+                   max_difference_to_rank0, max_over_ranks, stop_if_not_finite)
 
 MODES = ("naive", "bucketed", "overlap", "ddp")
 
@@ -337,15 +337,6 @@ def prove(args, config, batches, group):
             if r is not reference:  # DDP's state becomes every mode's, for the next step
                 take_state(r, reference)
     return proof, failures, max(bounds)
-
-
-def stop_if_not_finite(replicas, step: int, named) -> None:
-    """Raise NotFinite, on every rank, naming the first tensor of `named(replica)` that
-    holds a NaN or an infinity, in the first mode and on the first rank that has one (a
-    collective)."""
-    line = next((f"{mode}: step {step}: {bad}" for mode, r in replicas.items()
-                 for bad in [first_not_finite(named(r))] if bad), None)
-    stop_if_any(line)
 
 
 @torch.no_grad()

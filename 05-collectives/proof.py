@@ -4,7 +4,7 @@ rebuilt from collectives, against DDP), and the rounding bound they are held to.
 - `max_over_ranks`: the largest of every rank's number (a collective).
 - `max_relative_difference`, `max_abs_difference`: two sets of tensors on one rank.
 - `max_difference_to_rank0`: are the ranks' copies identical? (a collective)
-- `first_not_finite`, `stop_if_any`, `NotFinite`: the first tensor that holds a NaN or an
+- `first_not_finite`, `stop_if_not_finite`, `NotFinite`: the first tensor that holds a NaN or an
   infinity, by name; the proof stops there, on every rank.
 - `gradient_bound`, `adam_step_bound`: how far summation order alone can move the
   averaged gradients, and AdamW's weights, in one step.
@@ -70,9 +70,12 @@ class NotFinite(Exception):
     with this one line, on every rank."""
 
 
-def stop_if_any(line: str | None) -> None:
-    """Raise NotFinite with the first rank's line, if any rank has one (a collective:
-    every rank calls it, and every rank raises)."""
+def stop_if_not_finite(modes: dict, step: int, named) -> None:
+    """Raise NotFinite, on every rank, naming the first tensor of `named(trainer)` that
+    holds a NaN or an infinity, for the first of the `modes` (name -> trainer) and the
+    first rank that has one (a collective: every rank calls it, and every rank raises)."""
+    line = next((f"{mode}: step {step}: {bad}" for mode, trainer in modes.items()
+                 for bad in [first_not_finite(named(trainer))] if bad), None)
     lines = [None] * dist.get_world_size()
     dist.all_gather_object(lines, line)
     said = next((s for s in lines if s is not None), None)

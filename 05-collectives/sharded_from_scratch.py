@@ -441,15 +441,13 @@ def run(args, demo):
 
 
 def prove(args, config, demo, batches):
-    """Every mode in fp64 on the same batches, one step at a time. After each step's
-    backward, no loss or gradient may hold a NaN or an infinity (the first one stops the
-    proof at once: proof.NotFinite, naming it), and each mode's averaged gradients (its
-    slices of them) must equal DDP's within the bound that summation order allows; after
-    the update, the same for the weights (gathered whole, within AdamW's bound), and the
-    ranks' copies must be equal. Then every mode takes DDP's weights and moments, so that
-    the next step starts from the same state again and a difference cannot grow from step
-    to step. Returns (per-mode figures: the largest differences over the steps; failures;
-    the largest one-step bound)."""
+    """Every mode in fp64 on the same batches, one step at a time. After each backward no
+    loss or gradient may be NaN or infinite (the first stops the proof: proof.NotFinite),
+    and each mode's averaged gradients (its slices) must equal DDP's within the bound of
+    summation order; after the update, the same for the weights (gathered, within AdamW's
+    bound), the ranks' copies equal. Then every mode takes DDP's weights and moments, so
+    that no difference grows from step to step. Returns (per-mode figures: the largest
+    differences over the steps; failures; the largest one-step bound)."""
     trainers = {mode: TRAINERS[mode](mode, args, config, demo, torch.float64) for mode in args.modes}
     ddp = trainers["ddp"]
     diffs = {mode: {"ranks_differ": 0.0, "max_abs_grad_diff_vs_ddp": 0.0, "max_abs_diff_vs_ddp": 0.0,
@@ -460,7 +458,7 @@ def prove(args, config, demo, batches):
         ddp.largest_grad.zero_()
         for t in trainers.values():
             t.gradients(x, y)
-        stop_if_not_finite(trainers, step, lambda t: [("the loss", t.losses[-1]), *t.averaged_gradients()])
+        proof.stop_if_not_finite(trainers, step, lambda t: [("the loss", t.losses[-1]), *t.averaged_gradients()])
         largest_grad = proof.max_over_ranks(ddp.largest_grad.item(), demo.device)
         grad_bound = proof.gradient_bound(demo.world, torch.float64, largest_grad)
         ddp_grads = [p.grad for p in ddp.model.parameters()]
@@ -475,7 +473,7 @@ def prove(args, config, demo, batches):
             t.update()
         finals = {mode: t.full_parameters() for mode, t in trainers.items()}
         names = [n for n, _ in ddp.model.named_parameters()]
-        stop_if_not_finite(trainers, step, lambda t: [(f"the weight {n}", w) for n, w in zip(names, finals[t.mode])])
+        proof.stop_if_not_finite(trainers, step, lambda t: [(f"the weight {n}", w) for n, w in zip(names, finals[t.mode])])
         bound = proof.adam_step_bound(demo.world, torch.float64, args.lr, step, largest_grad, BETAS, EPS)
         bounds.append(bound)
         for mode, final in finals.items():
@@ -494,15 +492,6 @@ def prove(args, config, demo, batches):
         for t in trainers.values():
             t.take_state(state)
     return diffs, failures, max(bounds)
-
-
-def stop_if_not_finite(trainers, step: int, named) -> None:
-    """Raise proof.NotFinite, on every rank, naming the first tensor of `named(trainer)`
-    that holds a NaN or an infinity, in the first mode and on the first rank that has
-    one (a collective)."""
-    line = next((f"{mode}: step {step}: {bad}" for mode, t in trainers.items()
-                 for bad in [proof.first_not_finite(named(t))] if bad), None)
-    proof.stop_if_any(line)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Lesson first (DESIGN.md): each chapter's diff against the chapter it builds on is its
 wiring, within the budget tools/chapters.py gives it; a script's main() reads in one go;
-no chapter script passes 500 lines. A budget is a signal that wiring grew, never a
+no chapter script passes 500 lines; every script's first screen is the lesson, its
+imports plain. A budget is a signal that wiring grew, never a
 reason to move a lesson out of its chapter."""
 
 from __future__ import annotations
@@ -49,3 +50,13 @@ def test_a_readme_that_states_its_diff_size_states_the_real_one():
         text = " ".join(readme.read_text().split())  # a sentence may wrap anywhere
         for old, new, n in re.findall(r"`diff -u (\S+)/train_llm\.py (\S+)/train_llm\.py` is (\d+) changed", text):
             assert int(n) == changed_lines(old, new), f"{readme.parent.name}/README.md: {old} -> {new}"
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: str(p.relative_to(REPO)))
+def test_a_script_imports_plainly(script):
+    """The project is installed (the Quickstart's pip install -e .) and a script's folder
+    is on the path when it runs, so nothing comes before the imports: no signal held
+    while they run, no sys.path edited, no import excused from the top (noqa: E402)."""
+    text = script.read_text()
+    assert "sys.path" not in text and "noqa: E402" not in text
+    assert not re.search(r"pthread_sigmask\(signal\.SIG_BLOCK, \[signal\.SIGINT\]\)", text)
