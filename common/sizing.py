@@ -420,3 +420,82 @@ def cp_sent_bytes(config: LlamaConfig, tokens: int, p: Precision, cp: int, varia
     """`cp_traffic_bytes` as the bytes one rank sends: an all-to-all keeps a cp-th of its array."""
     traffic = cp_traffic_bytes(config, tokens, p, cp, variant, tp)
     return traffic.get("sent", 0) + traffic.get("all_to_all", 0) * (cp - 1) / cp
+
+
+def tp_model(config: LlamaConfig, tp: int, tp_rank: int = 0) -> Model:
+    """One tp rank's slice of the model (tp rank 0's: the largest vocabulary slice), in
+    FSDP's units: the embedding, each decoder layer, the final norm, the head."""
+    h, v, layers = config.hidden_size, slice_rows(config.vocab_size, tp, tp_rank), config.num_hidden_layers
+    units = [[(v, h)], *[layer_shapes(config, tp) for _ in range(layers)], [(h,)], [(v, h)]]
+    return Model(units, [True] + [False] * layers + [True, True], config)
+
+
+def cp_rank_bytes(config: LlamaConfig, batch: int, seq: int, p: Precision, dp: int, cp: int, tp: int,
+                  variant: str = "ring", checkpointing: bool = False) -> dict:
+    """What one rank of chapter 08's layout (dp x cp x tp, FSDP over the dp x cp ranks,
+    each holding tp rank 0's slice) holds at its peak: its shards of the training state,
+    one FSDP unit gathered whole (weights and gradients), and the activations saved for
+    backward by a forward of its tokens (`cp_activation_bytes`)."""
+    model = tp_model(config, tp)
+    return {"state": sum(state_bytes(model, "fsdp2", dp * cp, p).values()),
+            "gathered": gathered_unit_bytes(model, "fsdp2", dp * cp, p),
+            "activations": cp_activation_bytes(config, batch, seq, p, cp, variant, tp, checkpointing)}
+
+
+def longest_sequence(config: LlamaConfig, batch: int, p: Precision, dp: int, cp: int, tp: int, memory: float,
+                     variant: str = "ring", checkpointing: bool = False, limit: int = 1 << 26) -> int:
+    """The longest sequence, a multiple of 2 x cp x tp tokens (up to `limit`), for which
+    a rank's `cp_rank_bytes` stay within `memory` bytes; 0 if not even the shortest fits
+    (the bytes grow with the sequence: a binary search)."""
+    step = 2 * cp * tp
+    fits = lambda n: sum(cp_rank_bytes(config, batch, n * step, p, dp, cp, tp, variant, checkpointing).values()) \
+        <= memory  # noqa: E731
+    low, high = 0, limit // step  # fits(low) holds (or low is 0), fits(high + 1) is not asked
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low * step
+
+
+# ------------------------- chapter 07: FSDP x tp (+ sequence parallelism) x pp (x interleaving)
+
+def tp_cut_shapes(config: LlamaConfig, tp: int, layers: int, first: bool, last: bool,
+                  tp_rank: int = 0) -> list[tuple[int, ...]]:
+    """One pipeline stage's parameters as one tp rank holds them (chapter 06's cut: q, k,
+    v, gate and up by rows, o and down by columns, the embedding and the head by
+    vocabulary rows, the norms whole), in the order FSDP shards them."""
+    h, v = config.hidden_size, slice_rows(config.vocab_size, tp, tp_rank)
+    return [(v, h)] * first + layer_shapes(config, tp) * layers + [(h,), (v, h)] * last
+
+
+def fsdp_stage_state_bytes(config: LlamaConfig, dp: int, tp: int, pp: int, virtual: int, pp_rank: int, p: Precision,
+                           dp_rank: int = 0, tp_rank: int = 0) -> dict:
+    """What one rank of chapter 07's layout holds between steps: its stages (pp_rank,
+    pp_rank + pp, ...: `virtual` of them), each tensor cut over the tp ranks, then its
+    rows over the dp ranks by fully_shard, in chunks of ceil(rows / dp). FSDP keeps every
+    rank's parameters, and its reduce-scattered gradients, in chunks of that size (the
+    last ranks' padded); AdamW's moments are the rank's own rows, plus a 4-byte step per
+    tensor. Counted by 07-3d-parallelism/measure.py, to the byte."""
+    stages = stage_layers(config.num_hidden_layers, pp * virtual)
+    padded = own = tensors = 0
+    for s in range(pp_rank, pp * virtual, pp):
+        for shape in tp_cut_shapes(config, tp, stages[s], s == 0, s == pp * virtual - 1, tp_rank):
+            rows, rest = shape[0], math.prod(shape[1:])
+            chunk = shard(rows, dp)
+            padded += chunk * rest
+            own += max(0, min(chunk, rows - dp_rank * chunk)) * rest
+            tensors += 1
+    return {"params": p.param * padded, "grads": p.grad * padded,
+            "optimizer": (p.master + p.moments) * own + STEP_COUNTER * tensors}
+
+
+def sequence_parallel_saving(config: LlamaConfig, tokens: int, p: Precision, tp: int, cpu: bool = False) -> int:
+    """What sequence parallelism takes off one decoder layer's saved activations on each
+    of tp ranks, for `tokens` = batch x seq: the part of `layer_activation_bytes` that is
+    whole on every rank with tensor parallelism alone, the two norms' inputs (the
+    residual stream), their 1/rms and their normalised x, is kept for 1/tp of the tokens.
+    The norms' outputs stay whole: the linears keep the gathered sequence they take.
+    Counted by 07-3d-parallelism/measure.py, to the byte."""
+    h = config.hidden_size
+    per_token = FP32 * (2 * h + 2) + 2 * normalised_bytes_per_token(h, p, cpu)
+    return tokens * per_token - (tokens // tp) * per_token

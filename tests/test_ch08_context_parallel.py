@@ -19,12 +19,14 @@ import time
 import pytest
 import torch
 
+from common import sizing
 from common.model import get_config
 from common.sizing import PRECISIONS, cp_activation_bytes, cp_traffic_bytes
 from conftest import NO_GPU, REPO, TINY, chapter_module, free_port, load_script, python_cmd, read_json, read_jsonl, \
     refused, run, run_warm, start, torchrun_cmd
 from pages import readme_command
 from procs import kill_job
+from tools import plan
 
 FOLDER = "08-context-parallel"
 SCRIPT = f"{FOLDER}/train_llm.py"
@@ -274,6 +276,47 @@ def test_the_pages_measure_command_prints_the_pages_tables(tmp_path):
     tables = (tmp_path / "m" / "tables.md").read_text()
     assert tables.count("| the same |") == 11, tables
     assert tables.strip() in (REPO / PAGE).read_text(), "08-context-parallel/README.md shows other tables"
+
+
+# ------------------------------------------------------------------ the planner
+
+LLAMA_7B = ["--layers", 32, "--hidden-size", 4096, "--heads", 32, "--intermediate-size", 11008, "--vocab-size", 32000]
+
+
+def test_the_planner_finds_the_longest_sequence_a_rank_holds(capsys):
+    """tools.plan --cp: a rank's bytes at its peak are sizing's (whose activations
+    measure.py counts), the longest sequence that fits is the last multiple of 2 cp tp
+    tokens under the memory, and on 8 GPUs cp 8 holds about 8 times cp 1's sequence
+    (FSDP shards the state over 8 ranks either way, and only the activations grow with
+    the sequence)."""
+    config, p = get_config("tiny", 32000, num_hidden_layers=32, hidden_size=4096, num_attention_heads=32,
+                           num_key_value_heads=32, intermediate_size=11008), PRECISIONS["autocast"]
+    plan.main([str(a) for a in [*LLAMA_7B, "--seq-length", 131072, "--cp", 8, "--gpu-memory-gb", 80]])
+    out = capsys.readouterr().out
+    longest = [sizing.longest_sequence(config, 1, p, 8 // cp, cp, 1, 80e9, checkpointing=ckpt)
+               for cp in (1, 8) for ckpt in (False, True)]  # 8 GPUs: FSDP over 8 either way
+    assert f"fits in 80 GB (a multiple of 2 x cp x tp = 16 tokens): {longest[2]:,} tokens; with activation " \
+           f"checkpointing {longest[3]:,}" in out, out
+    for (cp, ckpt), n in zip([(1, False), (1, True), (8, False), (8, True)], longest):
+        step = 2 * cp
+        assert sum(sizing.cp_rank_bytes(config, 1, n, p, 8 // cp, cp, 1, checkpointing=ckpt).values()) <= 80e9
+        assert sum(sizing.cp_rank_bytes(config, 1, n + step, p, 8 // cp, cp, 1, checkpointing=ckpt).values()) > 80e9
+    assert 7.9 < longest[2] / longest[0] < 8.1 and 7.9 < longest[3] / longest[1] < 8.1, longest
+    held = sizing.cp_rank_bytes(config, 1, 131072, p, 1, 8, 1)
+    assert held["activations"] == sizing.cp_activation_bytes(config, 1, 131072, p, 8)
+    assert f"| {plan.size(held['state'])} |" in out and "| ring " in out and "| all-to-all " in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model-preset", "tiny", "--cp", 3, "--seq-length", 64, "--gpus-per-node", 3],
+     "--seq-length 64 does not cut into 2 x --cp 3 chunks"),
+    (["--model-preset", "tiny", "--cp", 2, "--tp", 2, "--cp-attention", "all-to-all", "--seq-length", 64,
+      "--gpus-per-node", 4], "--cp 2 does not divide the heads and KV heads per tp rank (2 and 1)"),
+    (["--model-preset", "tiny", "--cp", 3, "--gpus-per-node", 8], "not a multiple of --tp 1 x --cp 3"),
+    (["--params", "7e9", "--cp", 2], "give a preset or a shape, and neither --params, --modes nor --pp"),
+])
+def test_the_planner_refuses_a_layout_cp_does_not_fit(capsys, argv, message):
+    assert message in refused(capsys, plan.parse_args, argv)
 
 
 # ------------------------------------------------------------------ a lost rank

@@ -5,6 +5,8 @@ cluster, per way of distributing the training state, before renting the cluster.
     python -m tools.plan --layers 32 --hidden-size 4096 --heads 32 --intermediate-size 11008 \\
         --vocab-size 32000 --seq-length 4096 --gpus-per-node 8 --nodes 2 --precision bf16
     python -m tools.plan --params 7e9 --gpus-per-node 8      # no shape: no units, no activations
+    python -m tools.plan --layers 32 --hidden-size 4096 --heads 32 --intermediate-size 11008 \\
+        --vocab-size 32000 --seq-length 131072 --cp 8 --gpu-memory-gb 80   # chapter 08: long sequences
 
 The command line and the tables; the formulas, and what each mode and layout means, are
 in common/sizing.py.
@@ -21,9 +23,10 @@ from common.errors import UsageError
 from common.layout import layout_for
 from common.model import PRESETS, LlamaConfig, get_config
 from common.sizing import (MODES, PRECISIONS, RING_FACTOR, Model, activation_bytes, checkpoint_bytes,
-                           checkpoint_seconds, collective_bytes, count_only, gathered_unit_bytes, in_flight, llama,
-                           sent_bytes, stage_activation_bytes, stage_kept_bytes, stage_layers, stage_shapes,
-                           stage_state_bytes, state_bytes, tp_all_reduce_bytes)
+                           checkpoint_seconds, collective_bytes, count_only, cp_rank_bytes, cp_sent_bytes,
+                           gathered_unit_bytes, in_flight, llama, longest_sequence, sent_bytes, stage_activation_bytes,
+                           stage_kept_bytes, stage_layers, stage_shapes, stage_state_bytes, state_bytes, tp_model,
+                           tp_all_reduce_bytes)
 from common.tables import markdown_table
 
 MAX_RANKS = 1_000_000  # ten times the largest training clusters
@@ -86,6 +89,13 @@ def parse_args(argv=None):
     g.add_argument("--microbatches", type=positive_int, default=None,
                    help="micro-batches per batch (default: the batch, one sample each, with --pp 2 or more; else 1)")
     g.add_argument("--schedule", type=one_of("gpipe", "1f1b"), default="1f1b", help="the pipeline's schedule")
+    g = p.add_argument_group("context parallelism, as chapter 08 splits each sequence (world = dp x cp x tp; "
+                             "FSDP over dp x cp)")
+    g.add_argument("--cp", type=positive_int, default=1, help="context-parallel ranks: each sequence split over them")
+    g.add_argument("--cp-attention", type=one_of("ring", "all-to-all"), default="ring",
+                   help="ring: the key/value blocks passed around; all-to-all: the sequence traded for the heads")
+    g.add_argument("--gpu-memory-gb", type=positive_float, default=None,
+                   help="chapter 08's layout, and the longest sequence whose rank fits in this memory (GB, 1e9 bytes)")
 
     def check(args):
         if (args.layers or 0) > MAX_LAYERS:
@@ -102,6 +112,8 @@ def parse_args(argv=None):
         if args.world > MAX_RANKS:
             raise UsageError(f"{args.world:,} ranks ({args.nodes} node(s) x {args.gpus_per_node}): "
                              f"the plan handles at most {MAX_RANKS:,}")
+        if args.cp > 1 or args.gpu_memory_gb is not None:
+            return check_context(args, shape)
         split = args.tp * args.pp > 1
         if split and args.params is not None:
             raise UsageError("--tp and --pp split the model's tensors: give a preset or a shape, not --params")
@@ -127,6 +139,29 @@ def parse_args(argv=None):
             if split else 1
     p.checks.append(check)
     return p.parse_args(argv)
+
+
+def check_context(args, shape) -> None:
+    """Chapter 08's layout: dp x cp x tp ranks, FSDP over dp x cp, no pipeline here."""
+    if args.params is not None or args.modes is not None or args.pp > 1:
+        raise UsageError("--cp and --gpu-memory-gb plan chapter 08's layout (FSDP over dp x cp, with --tp): give a "
+                         "preset or a shape, and neither --params, --modes nor --pp")
+    args.model = llama(config_of(args, shape))
+    c, world = args.model.config, args.world
+    if world % (args.tp * args.cp):
+        raise UsageError(f"the {world} ranks ({args.nodes} node(s) x {args.gpus_per_node}) are not a multiple of "
+                         f"--tp {args.tp} x --cp {args.cp}")
+    layout_for(world // args.cp, c, 1, tp=args.tp)  # tp fits the heads, MLP features and vocabulary
+    if args.seq_length % (2 * args.cp * args.tp):
+        raise UsageError(f"--seq-length {args.seq_length} does not cut into 2 x --cp {args.cp} chunks of a "
+                         f"multiple of --tp {args.tp} tokens")
+    if args.cp_attention == "all-to-all" and (c.num_attention_heads // args.tp % args.cp
+                                              or c.num_key_value_heads // args.tp % args.cp):
+        raise UsageError(f"--cp-attention all-to-all: --cp {args.cp} does not divide the heads and KV heads per tp "
+                         f"rank ({c.num_attention_heads // args.tp} and {c.num_key_value_heads // args.tp})")
+    if args.global_batch_size is not None:
+        raise UsageError("with --cp give --batch-size: sequences per replica of dp")
+    args.dp, args.batch_size, args.microbatches = world // (args.tp * args.cp), args.batch_size or 1, 1
 
 
 def config_of(args, shape_flags) -> LlamaConfig:
@@ -170,6 +205,8 @@ def describe(model: Model) -> str:
 
 def plan(args) -> str:
     """The plan as text: a header and three Markdown tables (two for chapter 06's layout)."""
+    if args.cp > 1 or args.gpu_memory_gb is not None:
+        return plan_context(args)
     if args.tp * args.pp > 1:
         return plan_split(args)
     model, p, world = args.model, PRECISIONS[args.precision], args.world
@@ -267,6 +304,41 @@ def plan_split(args) -> str:
     if tp > args.gpus_per_node:
         lines += ["", f"- tp {tp} spans nodes of {args.gpus_per_node} GPUs: its all-reduces, in every layer, "
                       f"cross the network"]
+    return "\n".join(lines)
+
+
+def plan_context(args) -> str:
+    """Chapter 08's layout: what a rank holds at its peak, what it sends per step, and
+    (with --gpu-memory-gb) the longest sequence that fits."""
+    c, p, dp, cp, tp = args.model.config, PRECISIONS[args.precision], args.dp, args.cp, args.tp
+    batch, seq, variant = args.batch_size, args.seq_length, args.cp_attention
+    lines = [describe(args.model),
+             f"{args.world} ranks ({args.nodes} x {args.gpus_per_node} GPUs): dp {dp} x cp {cp} x tp {tp}, FSDP over "
+             f"the dp x cp ranks; {batch} x {seq} tokens per replica per step, {seq // cp} of each sequence per "
+             f"rank; {variant} attention",
+             f"precision {args.precision}: {p.what}", "",
+             "held per rank at its peak (its shards of the training state, one FSDP unit gathered whole, and the "
+             "activations saved for backward, without and with activation checkpointing; tp as chapter 06 "
+             "counts it, without sequence parallelism):", ""]
+    held = [cp_rank_bytes(c, batch, seq, p, dp, cp, tp, variant, ckpt) for ckpt in (False, True)]
+    lines.append(markdown_table(("state", "one unit gathered", "activations", "act. (ckpt)", "total", "total (ckpt)"),
+                                [(size(held[0]["state"]), size(held[0]["gathered"]), size(held[0]["activations"]),
+                                  size(held[1]["activations"]), *(size(sum(h.values())) for h in held))],
+                                right=range(6)))
+    fsdp = sum(sent_bytes(tp_model(c, tp), "fsdp2", dp * cp, p).values())
+    tokens = batch * seq // cp
+    attention = {v: cp_sent_bytes(c, tokens, p, cp, v, tp) for v in ("ring", "all-to-all")}
+    rows = [(v, size(fsdp), size(b), size(fsdp + b), duration((fsdp + b) / (args.busbw_gbps * 1e9)))
+            for v, b in attention.items()]
+    lines += ["", f"sent per rank per step: FSDP's all-gathers and reduce-scatter over the dp x cp ranks, and "
+                  f"attention's over the cp ranks (tp's all-reduces not counted), and its time at "
+                  f"{args.busbw_gbps:g} GB/s:", "",
+              markdown_table(("attention", "FSDP", "attention", "sent", "time"), rows, right=range(1, 5))]
+    if args.gpu_memory_gb is not None:
+        memory = args.gpu_memory_gb * 1e9
+        longest = [longest_sequence(c, batch, p, dp, cp, tp, memory, variant, ckpt) for ckpt in (False, True)]
+        lines += ["", f"the longest sequence whose rank fits in {args.gpu_memory_gb:g} GB (a multiple of 2 x cp x tp "
+                      f"= {2 * cp * tp} tokens): {longest[0]:,} tokens; with activation checkpointing {longest[1]:,}"]
     return "\n".join(lines)
 
 
