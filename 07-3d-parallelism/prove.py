@@ -22,8 +22,8 @@ then chapter 01's values materialised piece by piece) and stepped as it steps.
 No rank gathers a whole weight: each compares its own pieces with the same pieces of
 the reference's tensors (`parallelize.local_piece`). Any failure: exit status 1.
 
-    torchrun --standalone --nproc-per-node=4 07-3d-parallelism/prove.py --model-preset tiny --layers 4
-    torchrun --standalone --nproc-per-node=3 07-3d-parallelism/prove.py --model-preset tiny --layers 4
+    torchrun --standalone --nproc-per-node=4 07-3d-parallelism/prove.py
+    torchrun --standalone --nproc-per-node=3 07-3d-parallelism/prove.py --batch-size 6
 """
 
 import json
@@ -101,8 +101,8 @@ def adam_ratio_bound(betas: tuple[float, float], step: int) -> float:
 def parse_args(argv=None):
     p = script_parser("07-prove", "FSDP x TP (+SP) x PP, built on the meta device, proven equal to "
                       "chapter 01's training in fp64, layout by layout.", min_world=1)
-    p.add_argument("--model-preset", default="small", type=one_of(*PRESETS), help="model size")
-    p.add_argument("--layers", type=positive_int, default=None,
+    p.add_argument("--model-preset", default="tiny", type=one_of(*PRESETS), help="model size")
+    p.add_argument("--layers", type=positive_int, default=4,
                    help=f"decoder layers, instead of the preset's (interleaving needs pp x 2 at least; at most {MAX_LAYERS})")
     p.add_argument("--seq-length", type=positive_int, default=16, help="tokens per sample (a multiple of tp)")
     p.add_argument("--batch-size", type=positive_int, default=4, help="samples per step: the global batch")
@@ -141,7 +141,7 @@ def check_layout(layout: Layout, name: str, world: int, config, batch: int, seq:
 
 
 def config_of(args):
-    return get_config(args.model_preset, args.vocab_size, **({"num_hidden_layers": args.layers} if args.layers else {}))
+    return get_config(args.model_preset, args.vocab_size, num_hidden_layers=args.layers)
 
 
 def fp64_norms(model):

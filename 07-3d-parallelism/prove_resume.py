@@ -46,7 +46,7 @@ from common.errors import MODEL_OOM_ADVICE, UsageError, run_main
 from common.model import PRESETS, get_config
 from common.runfolder import claim_run_folder
 from common.training import lr_lambda
-from prove import Trainer, check_layout, layout_name, layout_of, world_of
+from prove import Trainer, check_layout, layout_of, world_of
 
 # How far B's weights may land from the uninterrupted run's after n steps in another
 # layout: a tolerance, not a derived bound (over several steps a rounding difference

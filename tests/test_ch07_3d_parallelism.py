@@ -23,16 +23,17 @@ import torch
 
 from conftest import NO_GPU, REPO, TINY, load_script, python_cmd, read_json, read_jsonl, refused, run, run_warm, \
     start, torchrun_cmd
+from pages import readme_command
 from procs import kill_job
 
 SCRIPT = "07-3d-parallelism/train_llm.py"
 PROVE = "07-3d-parallelism/prove.py"
 PROVE_RESUME = "07-3d-parallelism/prove_resume.py"
+PAGE = "07-3d-parallelism/README.md"
 chapter = load_script(SCRIPT)  # puts its folder on sys.path: the modules beside it import
 import checkpoint as ckpt  # noqa: E402
 import parallelize  # noqa: E402
 import pipeline_parallel  # noqa: E402
-import sequence_parallel  # noqa: E402
 
 PROOF = ["--model-preset", "tiny", "--layers", "4", "--seq-length", 16, "--batch-size", 4]
 
@@ -128,8 +129,9 @@ def test_a_layout_that_does_not_fit_is_one_line_and_exit_2(tmp_path, monkeypatch
 
 # ------------------------------------------------------------------ the fp64 proofs
 
-def prove(tmp_path, nproc: int, *flags, script=PROVE, name="proof", check=True):
-    proc = run_warm(torchrun_cmd(nproc, script, *PROOF, *flags, "--save-dir", tmp_path, "--experiment-name", name),
+def prove(tmp_path, nproc: int, *flags, script=PROVE, name="proof", check=True, command=None):
+    command = command or torchrun_cmd(nproc, script)
+    proc = run_warm([*command, *PROOF, *flags, "--save-dir", tmp_path, "--experiment-name", name],
                     timeout=300, check=check)
     result = tmp_path / name / ("prove.json" if script == PROVE else "prove_resume.json")
     return proc, read_json(result) if result.exists() else None
@@ -151,7 +153,8 @@ def test_on_4_ranks_fsdp_tp_sp_and_pp_equal_chapter_01(tmp_path):
     """dp2 x tp2 (FSDP x TP+SP) with torch's layers and with sequence_parallel.py's (within
     twice the tolerance of each other), dp2 x pp2 (FSDP x PP), and pp2 x tp2 with SP and
     two stages per pipeline rank (the interleaved schedule)."""
-    proc, result = prove(tmp_path, 4, "--layouts", "dp2xtp2,dp2xtp2-scratch,dp2xpp2,pp2v2xtp2")
+    proc, result = prove(tmp_path, 4, "--layouts", "dp2xtp2,dp2xtp2-scratch,dp2xpp2,pp2v2xtp2",
+                         command=readme_command(PAGE, "nproc-per-node=4 07-3d-parallelism/prove.py"))
     layouts = assert_proven(proc, result, ["dp2xtp2", "dp2xtp2-scratch", "dp2xpp2", "pp2v2xtp2"])
     assert layouts["dp2xtp2-scratch"]["vs"] == "dp2xtp2" and 0 < layouts["dp2xtp2-scratch"]["vs_weights"] <= 2
     assert "OK: every layout starts from chapter 01's weights bit for bit" in proc.stdout
@@ -225,8 +228,8 @@ def test_a_checkpoint_saved_in_one_layout_resumes_in_another(tmp_path):
     bit), and, in a second launch, on 2 ranks as dp2; saved in pp2 and resumed in dp2
     (pp2 -> pp1 on 2 ranks). Every tensor loaded equals the saved one bit for bit, every
     resumed batch is the uninterrupted run's, the weights within 1e-11 of it."""
-    moves4 = "dp2xtp2:pp2xtp2,dp2xtp2:dp4,dp2xtp2:dp2xtp2,dp2xtp2:dp2"
-    proc4, result4 = prove(tmp_path, 4, "--moves", moves4, script=PROVE_RESUME, name="four")
+    proc4, result4 = prove(tmp_path, 4, script=PROVE_RESUME, name="four",
+                           command=readme_command(PAGE, "prove_resume.py", "--experiment-name move4"))
     proc2, result2 = prove(tmp_path, 2, "--moves", "dp2xtp2:dp2,pp2:dp2", "--saved-in", tmp_path / "four",
                            script=PROVE_RESUME, name="two")
     moves = {**result4["moves"], **result2["moves"]}
@@ -253,15 +256,43 @@ def test_a_bug_fails_the_resume_proof(tmp_path, bug, failure):
     assert any(failure in f for f in failures), failures
 
 
+# ------------------------------------------------------------------------ measured
+
+def test_the_interleaved_bubble_sequence_parallelism_and_the_bytes_are_the_planners(tmp_path):
+    """The README's measure.py on 2 ranks (the small preset: 4 layers, 2 x 2 stages), m = 2
+    and 4: torch's interleaved order, replayed, has the formula's bubble, half the plain
+    1F1B's at each m; sequence parallelism saves what the planner says, to the byte; and
+    in dp2, pp2 with 2 stages per rank and tp2, each rank holds the planner's parameters,
+    gradients and AdamW state to the byte, its peak in a step below the whole model's."""
+    run_warm([*readme_command(PAGE, "07-3d-parallelism/measure.py"), "--seq-length", 32, "--microbatches", "2,4",
+              "--steps", 1, "--layouts", "dp2,pp2v2,tp2", "--save-dir", tmp_path, "--experiment-name", "m"],
+             timeout=300)
+    result = read_json(tmp_path / "m" / "measure.json")
+    bubbles = {(b["v"], b["m"]): b for b in result["bubble"]}
+    assert sorted(bubbles) == [(1, 2), (1, 4), (2, 2), (2, 4)]
+    for b in bubbles.values():
+        assert b["schedule_bubble"] == pytest.approx(b["formula"], abs=0.01), b
+        assert b["formula"] == pipeline_parallel.bubble(2, b["m"], b["v"])
+    for m in (2, 4):
+        assert bubbles[(2, m)]["schedule_bubble"] < bubbles[(1, m)]["schedule_bubble"]
+    sp = result["sequence_parallel"]
+    assert sp["saving"] == sp["planned_saving"] > 0 and sp["sp_bytes"] < sp["tp_bytes"]
+    assert sorted(result["layouts"]) == ["dp2", "pp2v2", "tp2"]
+    for name, ranks in result["layouts"].items():
+        for r in ranks:
+            assert r["held"] == r["planned"], (name, r)
+            assert sum(r["held"].values()) < r["peak_in_step"] < result["whole_model_bytes"], (name, r)
+
+
 # --------------------------------------------------------- the training script
 
 STEPS = 10  # short: a chapter 01 run of as many steps is its reference
 
 
-def ch01_run(save_dir, steps: int, name: str) -> list[dict]:
-    """Chapter 01 with the global batch of 4 the chapter 07 runs below train on."""
-    run_warm(python_cmd("01-single-gpu/train_llm.py", *TINY, "--max-steps", steps, "--save-dir", save_dir,
-                        "--experiment-name", name), env=NO_GPU)
+def ch01_run(save_dir, steps: int, name: str, batch: int = 4) -> list[dict]:
+    """Chapter 01 on the global batch the chapter 07 run it is compared with trains on."""
+    run_warm(python_cmd("01-single-gpu/train_llm.py", *TINY, "--batch-size", batch, "--max-steps", steps,
+                        "--save-dir", save_dir, "--experiment-name", name), env=NO_GPU)
     return read_jsonl(save_dir / name / "metrics.jsonl")
 
 
@@ -270,8 +301,9 @@ def trained(tmp_path_factory):
     """Chapter 07 on 4 ranks as dp2 x tp2 (FSDP x TP+SP, batch 2 per replica: chapter 01's
     global batch of 4), checkpoints at steps 5 and 10, and chapter 01's run beside it."""
     out = tmp_path_factory.mktemp("ch07")
-    proc = run_warm(torchrun_cmd(4, SCRIPT, *TINY, "--batch-size", 2, "--tp", 2, "--max-steps", STEPS,
-                                 "--ckpt-freq", 5, "--save-dir", out, "--experiment-name", "ch07"), env=NO_GPU)
+    command = readme_command(PAGE, "torchrun --standalone --nproc-per-node=4 07-3d-parallelism/train_llm.py --tp 2")
+    proc = run_warm([*command, *TINY, "--batch-size", 2, "--max-steps", STEPS, "--ckpt-freq", 5, "--save-dir", out,
+                     "--experiment-name", "ch07"], env=NO_GPU)
     return proc, out / "ch07", ch01_run(out, STEPS, "ch01")
 
 
@@ -365,32 +397,45 @@ def test_a_damaged_checkpoint_stops_the_resume_in_one_line(trained, tmp_path):
 
 @pytest.mark.launch
 def test_sigterm_to_the_job_saves_and_the_rerun_on_2_ranks_continues_chapter_01(tmp_path):
-    """SLURM's stop: SIGTERM to every process of a 4-rank pp2 x tp2 job (torchrun, the
-    trainers, their DataLoader workers), mid-run. One line, a checkpoint at the step the
-    ranks agreed on; the same command on 2 ranks as dp2 (FSDP) resumes from it and ends
-    at chapter 01's losses, each within 1e-4 relative (measured about 2e-7)."""
-    from ch04_runs import resume, start_held
-    from test_ch04_slurm import as_slurm_does, job_processes
+    """The README's run, stopped as SLURM stops a job: SIGTERM to every process of the
+    4-rank tp2 x pp2 job (torchrun, the trainers, their DataLoader workers), mid-run.
+    One line, a checkpoint at the step the ranks agreed on; the README's next command,
+    on 2 ranks as FSDP over 2, resumes from it and ends at chapter 01's losses on the
+    same global batch of 8, each within 1e-4 relative (measured about 2e-7)."""
+    import os
     import signal
-    steps, flags = 12, [*TINY, "--max-steps", 12, "--ckpt-freq", 100, "--save-dir", tmp_path, "--experiment-name", "job"]
-    reference = ch01_run(tmp_path, steps, "ch01")
-    metrics = tmp_path / "job" / "metrics.jsonl"
-    # one DataLoader worker per trainer: start_held stops them, so the job waits for the signal
-    job, held = start_held(torchrun_cmd(4, SCRIPT, *flags, "--tp", 2, "--pp", 2, "--num-workers", 1),
-                           tmp_path / "job.log", metrics, 3)
+    from ch04_runs import THREADS, descendants, resume, steps_logged
+    from procs import children
+    from test_ch04_slurm import as_slurm_does, job_processes
+    steps, flags = 12, [*TINY, "--max-steps", 12, "--ckpt-freq", 100, "--save-dir", tmp_path]
+    reference = ch01_run(tmp_path, steps, "ch01", batch=8)
+    metrics, log = tmp_path / "run1" / "metrics.jsonl", tmp_path / "job.log"
+    # one DataLoader worker per trainer, stopped (SIGSTOP) after step 3: a trainer then waits
+    # for its next batch, so the job cannot end before the signal, however busy the machine
+    job = start([*readme_command(PAGE, "--tp 2 --pp 2 --batch-size 8 --experiment-name run1"), *flags,
+                 "--batch-size", 8, "--num-workers", 1], log, env=THREADS)
     try:
+        deadline, held = time.monotonic() + 240, []
+        while steps_logged(metrics) < 3 or not held:
+            assert job.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            if steps_logged(metrics) >= 1 and not held:
+                held = [p for trainer in children(job.pid) for p in descendants(trainer)]
+            time.sleep(0.01)
+        for pid in held:
+            os.kill(pid, signal.SIGSTOP)
         as_slurm_does(job_processes(job.pid), signal.SIGTERM)
         resume(held)
         job.wait(timeout=120)
     finally:
         kill_job(job.pid)
-    out = (tmp_path / "job.log").read_text()
+    out = log.read_text()
     lines = [line for line in out.splitlines() if line.startswith("interrupted at step")]
     assert job.returncode != 0 and len(lines) == 1 and "error:" not in out, out[-3000:]
     step = int(lines[0].split()[3])
     assert 3 <= step < steps and f"checkpoint step-{step:08d} saved" in lines[0]
-    proc = run(torchrun_cmd(2, SCRIPT, *flags, "--batch-size", 2), timeout=240)
-    assert f"saved by dp 1 x pp 2 x tp 2, sequence parallel): step {step}, epoch 0, {4 * step} samples" \
+    proc = run([*readme_command(PAGE, "nproc-per-node=2 07-3d-parallelism/train_llm.py --batch-size 4 "
+                                      "--experiment-name run1"), *flags], timeout=240)
+    assert f"saved by dp 1 x pp 2 x tp 2, sequence parallel): step {step}, epoch 0, {8 * step} samples" \
         in proc.stdout
     got = read_jsonl(metrics)
     assert [r["step"] for r in got] == list(range(1, steps + 1))
