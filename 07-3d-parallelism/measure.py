@@ -121,7 +121,8 @@ def replay(ops: list, durations: dict, stages: int) -> tuple[float, list[float]]
 def measure_bubble(args, group, config, v: int, m: int) -> dict:
     """pp = the world, v stages per rank, m micro-batches of one sample each."""
     p = group.world
-    layout = Layout(pp=p, virtual=v, microbatches=m, schedule="interleaved" if v > 1 else "1f1b")
+    # (torch's 1F1B needs a micro-batch per stage at least; GPipe has the same bubble)
+    layout = Layout(pp=p, virtual=v, microbatches=m, schedule="interleaved" if v > 1 else "1f1b" if m >= p else "gpipe")
     mesh = init_device_mesh(group.device.type, (1, p, 1), mesh_dim_names=("dp", "pp", "tp"))
     stages, ids = build_stages(config, mesh, layout, group.device)
     materialize(stages, config, layout, args.seed, 0)

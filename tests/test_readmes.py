@@ -38,6 +38,7 @@ SCRIPT_FAST = {
     "overlap_timeline.py": ["--model-preset", "tiny", "--seq-length", "64", "--batch-size", "4",
                             "--modes", "naive,ddp", "--warmup", "1"],
     "prove.py": ["--model-preset", "tiny", "--seq-length", "16", "--proof-steps", "1"],
+    "prove_resume.py": ["--seq-length", "16", "--save-at", "1", "--then", "1"],
     "measure.py": ["--model-preset", "tiny", "--seq-length", "32", "--microbatches", "1,2", "--steps", "1",
                    "--warmup", "0"],
 }
