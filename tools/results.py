@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import platform
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -48,7 +49,8 @@ def tour_record(folder: Path) -> dict:
         raise UsageError(f"{folder} holds no finished tour (tour.json and the runs' summary.json)")
     first = runs[0].summary
     return {"kind": "tour", "title": f"The tour on {first['device_name']}", "command": tour["command"],
-            "date": tour["date"], "seconds": tour["seconds"], "machine": first["device_name"],
+            "date": tour["date"], "seconds": tour["seconds"], "cpu_seconds": tour.get("cpu_seconds"),
+            "machine": first["device_name"],
             "torch": first["torch_version"], "python": platform.python_version(), "commit": commit(),
             "runs": [{"run": r.name, "processes": r.summary["world_size"],
                       "tokens_per_s": r.summary["tokens_per_s"],
@@ -57,6 +59,21 @@ def tour_record(folder: Path) -> dict:
                       "final_loss": r.summary.get("final_loss"), "val_loss": r.summary.get("val_loss"),
                       "busy": busy(r.summary)} for r in runs],
             "tables": {p.parent.name: p.read_text().strip() for p in sorted(folder.glob("*/tables.md"))}}
+
+
+def shown_command(r: dict) -> str:
+    """A record's command; a tour's without its --out folder, which changes no figure:
+    the command a reader types."""
+    command = r["command"]
+    if r["kind"] != "tour":
+        return command
+    words = shlex.split(command)
+    for i, word in enumerate(words):
+        if word == "--out" and i + 1 < len(words):
+            return shlex.join(words[:i] + words[i + 2:])
+        if word.startswith("--out="):
+            return shlex.join(words[:i] + words[i + 1:])
+    return command
 
 
 def gpu_record(folder: Path) -> dict:
@@ -136,11 +153,17 @@ def _num(v, digits=0, scale=1.0, suffix="") -> str:
 
 def provenance(r: dict) -> str:
     lines = [f"- measured on {r['machine']}, torch {r['torch']}, Python {r['python']}, on {r['date']}",
-             f"- command: `{r['command']}`" + (f" ({r['seconds']} s in all)" if r.get("seconds") else ""),
+             f"- command: `{shown_command(r)}`" + (f" ({took(r)} in all)" if r.get("seconds") else ""),
              f"- code: commit `{r['commit']}`" if r.get("commit") else "- code: commit unknown"]
     if r.get("source"):
         lines.append(f"- source: {r['source']}")
     return "\n".join(lines)
+
+
+def took(r: dict) -> str:
+    """'389 s', or '389 s, 586 CPU-seconds' where the record has them."""
+    cpu = r.get("cpu_seconds")
+    return f"{r['seconds']} s" + (f", {cpu:,} CPU-seconds" if isinstance(cpu, int) else "")
 
 
 def tour_section(r: dict) -> str:
@@ -198,7 +221,11 @@ def readme_block(records: list[dict]) -> str:
         t = tours[-1]
         rows = [[x["run"], str(x["processes"]), _num(x["tokens_per_s"]), _num(x["final_loss"], 4)]
                 for x in t["runs"] if x["run"][:2] != "05"]
-        parts.append(f"The tour on {t['machine']}, torch {t['torch']}, {t['date']} (`{t['command']}`):\n\n"
+        busy = " (a busy machine: its speeds are not comparable)" if any(x["busy"] for x in t["runs"]) else ""
+        minutes = f"{t['seconds'] // 60} min {t['seconds'] % 60:02d} s" if isinstance(t.get("seconds"), int) else "?"
+        cpu = f", {t['cpu_seconds']:,} CPU-seconds" if isinstance(t.get("cpu_seconds"), int) else ""
+        parts.append(f"The tour (`{shown_command(t)}`) on {t['machine']}{busy}, torch {t['torch']}, {t['date']}: "
+                     f"{minutes}{cpu}.\n\n"
                      + markdown_table(["run", "processes", "tokens/s", "final loss"], rows, right={1, 2, 3}))
     gpus = [r for r in records if r["kind"] == "gpu"]
     if gpus:
