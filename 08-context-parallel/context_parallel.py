@@ -7,7 +7,8 @@ reads the tokens before it, on other ranks. Two ways to bring them together:
     ring attention  each rank keeps its queries; the key/value blocks travel around a
                     ring of send/recv, one hop per step, cp steps, and each rank merges
                     the partial softmax results through their log-sum-exp. The full
-                    T x T scores never exist anywhere; a rank holds T/cp keys at a time.
+                    T x T scores never exist anywhere; a rank holds its own block of
+                    keys and the one arriving.
     all-to-all      (DeepSpeed-Ulysses) one all-to-all trades the sequence split for a
                     head split: each rank gets the whole sequence of H/cp heads, runs
                     ordinary attention on them, and a second all-to-all trades back.
@@ -20,7 +21,9 @@ chunk 2cp-1-r from the tail, so that every rank attends the same number of pairs
 
 A rank's tokens are not consecutive then, so the rotary embedding must rotate each one
 by its position in the whole sequence, not in the shard: `shard_positions` gives those,
-and `parallelize` makes each layer's rotary tables and attention use them.
+and `parallelize` makes each layer's rotary tables and attention use them. To the
+weights, the cp ranks are data-parallel: each computes the gradient of its own tokens'
+loss, and FSDP shards over the dp x cp ranks and sums them (`fsdp_mesh`).
 """
 
 from __future__ import annotations
