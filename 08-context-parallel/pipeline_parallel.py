@@ -61,7 +61,9 @@ def stages_of_rank(pp_rank: int, pp: int, virtual: int) -> list[int]:
 
 def bubble(p: int, m: int, v: int = 1) -> float:
     """The idle share of a step for p ranks of v stages each and m micro-batches, when
-    every forward and backward of a stage takes the same time."""
+    every forward and backward of a stage takes the same time. With v > 1 it holds for m
+    a multiple of p (Narayanan et al.'s condition): fewer micro-batches cannot fill the
+    loop of stages, and one micro-batch leaves the pipeline as idle as with v = 1."""
     fill = (p - 1) / v
     return fill / (m + fill)
 

@@ -13,6 +13,7 @@ context_parallel equals the ring."""
 
 from __future__ import annotations
 
+import difflib
 import shutil
 import time
 
@@ -94,6 +95,21 @@ def test_merging_two_blocks_through_their_log_sum_exp_is_one_softmax_over_both()
         out, lse = cp_lib.merge(out, lse, *cp_lib.attend(q, k[..., cols, :], v[..., cols, :], False, 0.3))
     torch.testing.assert_close(out, whole, rtol=0, atol=1e-14)
     torch.testing.assert_close(lse, whole_lse, rtol=0, atol=1e-14)
+
+
+def test_chapter_07s_modules_come_unchanged_but_for_a_cp_layout():
+    """The README says chapter 07's modules come along unchanged, parallelize.py but for
+    its Layout's cp dimension (and the line that says so): each copy is 07's file."""
+    for name in ("checkpoint", "pipeline_parallel", "sequence_parallel", "preemption"):
+        assert (REPO / FOLDER / f"{name}.py").read_text() == (REPO / "07-3d-parallelism" / f"{name}.py").read_text(), name
+    ours = (REPO / FOLDER / "parallelize.py").read_text().splitlines()
+    theirs = (REPO / "07-3d-parallelism" / "parallelize.py").read_text().splitlines()
+    diff = [line for line in difflib.unified_diff(theirs, ours, lineterm="", n=0) if not line.startswith(("+++", "---"))]
+    removed = [line[1:] for line in diff if line.startswith("-")]
+    assert [line.split("(")[0] for line in removed] == [
+        '"""The composition: one model cut four ways on one DeviceMesh ', "    DTensor layers ",
+        '        shape = " x ".join'], removed  # the docstrings' first and last lines, the shape's dimensions
+    assert sum(line.startswith("+") for line in diff) <= 20 and any("cp: int = 1" in line for line in diff), diff
 
 
 # ------------------------------------------------------------ bad input: exit 2
