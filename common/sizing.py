@@ -499,3 +499,78 @@ def sequence_parallel_saving(config: LlamaConfig, tokens: int, p: Precision, tp:
     h = config.hidden_size
     per_token = FP32 * (2 * h + 2) + 2 * normalised_bytes_per_token(h, p, cpu)
     return tokens * per_token - (tokens // tp) * per_token
+
+
+def pipeline_bubble(pp: int, m: int, virtual: int = 1) -> float:
+    """The idle share of a step: ((p - 1) / v) / (m + (p - 1) / v), p pipeline ranks of
+    v stages each, m micro-batches (m a multiple of p when v > 1); chapter 06's
+    (p - 1) / (m + p - 1) at v = 1 (Narayanan et al. 2021)."""
+    fill = (pp - 1) / virtual
+    return fill / (m + fill)
+
+
+def stages_in_flight(schedule: str, m: int, pp: int, virtual: int, pp_rank: int) -> float:
+    """The micro-batches whose activations pipeline rank `pp_rank` holds at once at most,
+    in units of its whole part (all its stages): GPipe all m; 1F1B p - r; the
+    interleaved schedule's (p - r - 1) x 2 + (v - 1) x p warm-up forwards and one more
+    (Megatron-LM's count), each of one stage, 1/v of the rank's part."""
+    if schedule != "interleaved":
+        return in_flight(schedule, m, pp, pp_rank)
+    return min((pp - pp_rank - 1) * 2 + (virtual - 1) * pp + 1, m * virtual) / virtual
+
+
+def rank_layers(config: LlamaConfig, pp: int, virtual: int, pp_rank: int) -> int:
+    """Decoder layers pipeline rank `pp_rank` holds: its v stages' (pp_rank, pp_rank + pp, ...)."""
+    stages = stage_layers(config.num_hidden_layers, pp * virtual)
+    return sum(stages[s] for s in range(pp_rank, pp * virtual, pp))
+
+
+def rank_3d_bytes(config: LlamaConfig, batch: int, seq: int, p: Precision, dp: int, tp: int, pp: int,
+                  virtual: int, microbatches: int, schedule: str, sequence_parallel: bool, pp_rank: int,
+                  checkpointing: bool = False) -> dict:
+    """What pipeline rank `pp_rank` of chapter 07's layout (its tp rank 0 and dp rank 0)
+    holds at its peak: its shards of the training state (`fsdp_stage_state_bytes`);
+    its stages gathered whole, weights and gradients (with a pipeline, fully_shard keeps
+    them gathered from the first forward to the last backward of a step, as torchtitan
+    and the Llama 3 run do; without one, one layer at a time); and the activations of
+    the micro-batches its schedule holds at once (each layer's as `layer_activation_bytes`
+    counts them on a GPU, less `sequence_parallel_saving`; with activation checkpointing
+    each layer's input only, this rank's piece of it, and one layer's whole while it is
+    computed again)."""
+    layers = rank_layers(config, pp, virtual, pp_rank)
+    shapes = tp_cut_shapes(config, tp, layers, pp_rank == 0, pp_rank == pp - 1)  # stage 0, stage pp x v - 1
+    gathered = (p.param + p.grad) * (sum(math.prod(s) for s in shapes) if pp > 1 else
+                                     sum(math.prod(s) for s in layer_shapes(config, tp)))
+    tokens = batch * seq // microbatches  # one micro-batch
+    layer = layer_activation_bytes(config, tokens, seq, p, tp)
+    if sequence_parallel and tp > 1:
+        layer -= sequence_parallel_saving(config, tokens, p, tp)
+    held = stages_in_flight(schedule, microbatches, pp, virtual, pp_rank)
+    if checkpointing:
+        kept = tokens * config.hidden_size * p.stream // (tp if sequence_parallel and tp > 1 else 1)
+        activations = layers * kept * held + layer
+    else:
+        activations = layers * layer * held
+    return {"state": sum(fsdp_stage_state_bytes(config, dp, tp, pp, virtual, pp_rank, p).values()),
+            "gathered": gathered, "activations": int(activations)}
+
+
+def rank_3d_sent_bytes(config: LlamaConfig, batch: int, seq: int, p: Precision, dp: int, tp: int, pp: int,
+                       virtual: int, microbatches: int, sequence_parallel: bool, pp_rank: int) -> dict:
+    """Per step, the bytes pipeline rank `pp_rank` of chapter 07's layout sends, per
+    dimension, with ring algorithms: tp, its layers' two all-reduces forward and two
+    backward (with sequence parallelism an all-gather and a reduce-scatter each: the
+    same bytes); pp, the activations forward and their gradients back at each of its
+    stages' boundaries, every micro-batch (cut over the tp ranks with sequence
+    parallelism); dp, FSDP's all-gather of its shards (once a step with a pipeline,
+    which keeps them gathered; twice without) and the reduce-scatter of its gradients."""
+    layers, tokens = rank_layers(config, pp, virtual, pp_rank), batch * seq
+    h = config.hidden_size
+    tp_sent = RING_FACTOR["all_reduce"](tp) * layers * 4 * tokens * h * p.act
+    boundaries = (virtual - (pp_rank == pp - 1)) + (virtual - (pp_rank == 0)) if pp > 1 else 0  # sends out, back
+    pp_sent = boundaries * tokens * h * p.stream // (tp if sequence_parallel else 1)
+    shapes = tp_cut_shapes(config, tp, layers, pp_rank == 0, pp_rank == pp - 1)
+    padded = sum(shard(s[0], dp) * dp * math.prod(s[1:]) for s in shapes)
+    gathers = 1 if pp > 1 else 2
+    dp_sent = RING_FACTOR["all_gather"](dp) * p.comm * padded * (gathers + 1)
+    return {"tp": tp_sent, "pp": pp_sent, "dp": dp_sent}

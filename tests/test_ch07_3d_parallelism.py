@@ -284,6 +284,48 @@ def test_the_interleaved_bubble_sequence_parallelism_and_the_bytes_are_the_plann
             assert sum(r["held"].values()) < r["peak_in_step"] < result["whole_model_bytes"], (name, r)
 
 
+# ------------------------------------------------------------------ the planner at scale
+
+LLAMA_405B = ["--layers", 126, "--hidden-size", 16384, "--heads", 128, "--kv-heads", 8, "--intermediate-size", 53248,
+              "--vocab-size", 128256, "--seq-length", 8192, "--precision", "bf16"]
+LLAMA_70B = ["--layers", 80, "--hidden-size", 8192, "--heads", 64, "--kv-heads", 8, "--intermediate-size", 28672,
+             "--vocab-size", 128256, "--seq-length", 8192, "--precision", "bf16"]
+
+
+@pytest.mark.parametrize("shape, flags, gpus, worst", [
+    (LLAMA_405B, ["--tp", 8, "--pp", 16, "--virtual-stages", 2, "--nodes", 128, "--global-batch-size", 256], 1024,
+     28.3e9),
+    (LLAMA_70B, ["--tp", 8, "--pp", 4, "--virtual-stages", 2, "--nodes", 8, "--global-batch-size", 128], 64, 29.7e9),
+])
+def test_the_planner_lays_out_405b_on_1024_gpus_and_70b_on_64(capsys, shape, flags, gpus, worst):
+    """tools.plan --fsdp: the Llama 3 paper's cut for 405 B (tp 8 x pp 16: Grattafiori et al.
+    2024, Table 4) on 1,024 GPUs, 70 B on 64. Each GPU's peak (state shards, its stages
+    gathered, the activations its interleaved schedule holds) fits 80 GB only with
+    activation checkpointing; the bubble is the interleaved formula's."""
+    from common.sizing import PRECISIONS, fsdp_stage_state_bytes, pipeline_bubble, rank_3d_bytes
+    from tools import plan
+    args = plan.parse_args([*map(str, shape), "--fsdp", *map(str, flags)])
+    out = plan.plan(args)
+    c, p = args.model.config, PRECISIONS["bf16"]
+    assert args.world == gpus and args.microbatches == args.batch_size
+    assert f"a bubble of {pipeline_bubble(args.pp, args.microbatches, 2):.1%}" in out
+    peaks = [rank_3d_bytes(c, args.batch_size, 8192, p, args.dp, 8, args.pp, 2, args.microbatches, "interleaved", True,
+                           r, ckpt) for r in range(args.pp) for ckpt in (False, True)]
+    without, with_ckpt = [sum(b.values()) for b in peaks[0::2]], [sum(b.values()) for b in peaks[1::2]]
+    assert max(with_ckpt) == pytest.approx(worst, rel=0.01) and max(with_ckpt) < 80e9 < max(without)
+    # sixteen bytes per parameter (bf16 weights and gradients, fp32 master and moments), over every GPU
+    state = sum(sum(fsdp_stage_state_bytes(c, args.dp, 8, args.pp, 2, r, p).values()) for r in range(args.pp))
+    assert state * 8 * args.dp == pytest.approx(16 * args.model.num_params, rel=0.01)
+
+
+def test_the_planners_bubble_and_in_flight_counts():
+    from common.sizing import pipeline_bubble, stages_in_flight
+    assert pipeline_bubble(16, 32, 2) == pytest.approx(7.5 / 39.5)
+    assert pipeline_bubble(4, 8) == pipeline_parallel.bubble(4, 8)
+    assert [stages_in_flight("1f1b", 8, 4, 1, r) for r in range(4)] == [4, 3, 2, 1]
+    assert [stages_in_flight("interleaved", 8, 4, 2, r) for r in range(4)] == [5.5, 4.5, 3.5, 2.5]
+
+
 # --------------------------------------------------------- the training script
 
 STEPS = 10  # short: a chapter 01 run of as many steps is its reference

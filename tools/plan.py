@@ -7,6 +7,9 @@ cluster, per way of distributing the training state, before renting the cluster.
     python -m tools.plan --params 7e9 --gpus-per-node 8      # no shape: no units, no activations
     python -m tools.plan --layers 32 --hidden-size 4096 --heads 32 --intermediate-size 11008 \\
         --vocab-size 32000 --seq-length 131072 --cp 8 --gpu-memory-gb 80   # chapter 08: long sequences
+    python -m tools.plan --layers 126 --hidden-size 16384 --heads 128 --kv-heads 8 --intermediate-size 53248 \\
+        --vocab-size 128256 --seq-length 8192 --precision bf16 --fsdp --tp 8 --pp 16 --virtual-stages 2 \\
+        --nodes 128 --global-batch-size 256                                # chapter 07: 405 B on 1,024 GPUs
 
 The command line and the tables; the formulas, and what each mode and layout means, are
 in common/sizing.py.
@@ -24,9 +27,9 @@ from common.layout import layout_for
 from common.model import PRESETS, LlamaConfig, get_config
 from common.sizing import (MODES, PRECISIONS, RING_FACTOR, Model, activation_bytes, checkpoint_bytes,
                            checkpoint_seconds, collective_bytes, count_only, cp_rank_bytes, cp_sent_bytes,
-                           gathered_unit_bytes, in_flight, llama, longest_sequence, sent_bytes, stage_activation_bytes,
-                           stage_kept_bytes, stage_layers, stage_shapes, stage_state_bytes, state_bytes, tp_model,
-                           tp_all_reduce_bytes)
+                           gathered_unit_bytes, in_flight, llama, longest_sequence, pipeline_bubble, rank_3d_bytes,
+                           rank_3d_sent_bytes, rank_layers, sent_bytes, stage_activation_bytes, stage_kept_bytes,
+                           stage_layers, stage_shapes, stage_state_bytes, state_bytes, tp_model, tp_all_reduce_bytes)
 from common.tables import markdown_table
 
 MAX_RANKS = 1_000_000  # ten times the largest training clusters
@@ -88,7 +91,15 @@ def parse_args(argv=None):
     g.add_argument("--pp", type=positive_int, default=1, help="pipeline stages")
     g.add_argument("--microbatches", type=positive_int, default=None,
                    help="micro-batches per batch (default: the batch, one sample each, with --pp 2 or more; else 1)")
-    g.add_argument("--schedule", type=one_of("gpipe", "1f1b"), default="1f1b", help="the pipeline's schedule")
+    g.add_argument("--schedule", type=one_of("gpipe", "1f1b", "interleaved"), default=None,
+                   help="the pipeline's schedule (default: 1f1b; interleaved with --virtual-stages 2 or more)")
+    g = p.add_argument_group("chapter 07's layout: the dp ranks shard with FSDP, tp with sequence parallelism, "
+                             "pp with v stages per rank (world = dp x pp x tp)")
+    g.add_argument("--fsdp", action="store_true", help="chapter 07's layout (with --tp and --pp)")
+    g.add_argument("--virtual-stages", type=positive_int, default=1,
+                   help="stages per pipeline rank (2 or more: the interleaved schedule)")
+    g.add_argument("--sequence-parallel", default=True, action=argparse.BooleanOptionalAction,
+                   help="with --fsdp and --tp: the residual stream cut over the sequence")
     g = p.add_argument_group("context parallelism, as chapter 08 splits each sequence (world = dp x cp x tp; "
                              "FSDP over dp x cp)")
     g.add_argument("--cp", type=positive_int, default=1, help="context-parallel ranks: each sequence split over them")
@@ -114,10 +125,15 @@ def parse_args(argv=None):
                              f"the plan handles at most {MAX_RANKS:,}")
         if args.cp > 1 or args.gpu_memory_gb is not None:
             return check_context(args, shape)
+        args.schedule = args.schedule or ("interleaved" if args.virtual_stages > 1 else "1f1b")
+        if (args.schedule == "interleaved") != (args.virtual_stages > 1) or (args.virtual_stages > 1 and not args.fsdp):
+            raise UsageError("--schedule interleaved runs --virtual-stages 2 or more, with --fsdp (chapter 07)")
         split = args.tp * args.pp > 1
         if split and args.params is not None:
             raise UsageError("--tp and --pp split the model's tensors: give a preset or a shape, not --params")
-        if split and args.modes is not None:
+        if args.fsdp and args.params is not None:
+            raise UsageError("--fsdp plans chapter 07's layout, which cuts the model's tensors: give a preset or a shape")
+        if (split or args.fsdp) and args.modes is not None:
             raise UsageError("--modes are chapter 05's ways to shard data parallelism; with --tp or --pp the "
                              "plan is chapter 06's layout, whose replicas all-reduce as DDP")
         args.modes = args.modes or list(MODES)
@@ -135,8 +151,13 @@ def parse_args(argv=None):
         args.batch_size = args.batch_size or 1
         # chapter 06's rule of which splits fit (common/layout.py); without a split no pipeline
         args.microbatches = layout_for(args.world, args.model.config, args.batch_size, tp=args.tp, pp=args.pp,
-                                       microbatches=args.microbatches, schedule=args.schedule).microbatches \
-            if split else 1
+                                       microbatches=args.microbatches,
+                                       schedule="1f1b" if args.schedule == "interleaved" else args.schedule
+                                       ).microbatches if split else 1
+        layers = args.model.config.num_hidden_layers if args.model.config else 0
+        if args.fsdp and args.pp * args.virtual_stages > layers:
+            raise UsageError(f"--pp {args.pp} x --virtual-stages {args.virtual_stages} stages exceed the model's "
+                             f"{layers} layers")
     p.checks.append(check)
     return p.parse_args(argv)
 
@@ -207,6 +228,8 @@ def plan(args) -> str:
     """The plan as text: a header and three Markdown tables (two for chapter 06's layout)."""
     if args.cp > 1 or args.gpu_memory_gb is not None:
         return plan_context(args)
+    if args.fsdp:
+        return plan_3d(args)
     if args.tp * args.pp > 1:
         return plan_split(args)
     model, p, world = args.model, PRECISIONS[args.precision], args.world
@@ -303,6 +326,43 @@ def plan_split(args) -> str:
                                  "dp all-reduce", "sent", "time"), sent, right=range(1, 7)))
     if tp > args.gpus_per_node:
         lines += ["", f"- tp {tp} spans nodes of {args.gpus_per_node} GPUs: its all-reduces, in every layer, "
+                      f"cross the network"]
+    return "\n".join(lines)
+
+
+def plan_3d(args) -> str:
+    """Chapter 07's layout: per pipeline rank (its tp and dp rank 0), what a GPU holds at
+    its peak and what it sends per step over each dimension; and the bubble."""
+    c, p, tp, pp, dp, v, m = (args.model.config, PRECISIONS[args.precision], args.tp, args.pp, args.dp,
+                              args.virtual_stages, args.microbatches)
+    sp = args.sequence_parallel and tp > 1
+    lines = [describe(args.model),
+             f"{args.world} ranks ({args.nodes} x {args.gpus_per_node} GPUs): dp {dp} (FSDP) x pp {pp}"
+             f"{f' ({v} stages each)' if v > 1 else ''} x tp {tp}{' with sequence parallelism' * sp}; "
+             f"{args.batch_size} x {args.seq_length} tokens per replica per step in {m} micro-batches, "
+             f"{args.schedule} schedule: a bubble of {pipeline_bubble(pp, m, v):.1%} of the step",
+             f"precision {args.precision}: {p.what}", "",
+             "held per GPU at its peak (its shards of the training state; its stages' weights and gradients "
+             "gathered whole, kept from a step's first forward to its last backward with a pipeline, one layer "
+             "at a time without; the activations its schedule holds at once, without and with activation "
+             "checkpointing):", ""]
+    held, sent = [], []
+    for r in range(pp):
+        b, ck = (rank_3d_bytes(c, args.batch_size, args.seq_length, p, dp, tp, pp, v, m, args.schedule, sp, r, ckpt)
+                 for ckpt in (False, True))
+        held.append((r, rank_layers(c, pp, v, r), size(b["state"]), size(b["gathered"]), size(b["activations"]),
+                     size(ck["activations"]), size(sum(b.values())), size(sum(ck.values()))))
+        s = rank_3d_sent_bytes(c, args.batch_size, args.seq_length, p, dp, tp, pp, v, m, sp, r)
+        sent.append((r, size(s["tp"]), size(s["pp"]), size(s["dp"]), size(sum(s.values())),
+                     duration(sum(s.values()) / (args.busbw_gbps * 1e9))))
+    lines.append(markdown_table(("pipeline rank", "layers", "state", "gathered", "activations", "act. (ckpt)",
+                                 "total", "total (ckpt)"), held, right=range(1, 8)))
+    lines += ["", f"sent per GPU per step (ring algorithms): tp's all-gathers and reduce-scatters (all-reduces "
+                  f"without sequence parallelism), the pipeline's sends, FSDP's all-gathers and reduce-scatter; its "
+                  f"time at {args.busbw_gbps:g} GB/s (tp runs inside a node, on its own links):", "",
+              markdown_table(("pipeline rank", "tp", "pp", "dp (FSDP)", "sent", "time"), sent, right=range(1, 6))]
+    if tp > args.gpus_per_node:
+        lines += ["", f"- tp {tp} spans nodes of {args.gpus_per_node} GPUs: its collectives, in every layer, "
                       f"cross the network"]
     return "\n".join(lines)
 
