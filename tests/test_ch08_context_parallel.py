@@ -252,6 +252,24 @@ def test_the_script_logs_chapter_01s_losses(ch01_smoke, tmp_path, ranks, flags):
     assert "validation loss " in proc.stdout and "sample:" in proc.stdout, proc.stdout[-3000:]
 
 
+def test_a_checkpoint_saved_with_cp_resumes_with_tp_instead(tmp_path):
+    """--cp 2 on 2 ranks, 4 steps, a checkpoint every 2; with the last one gone (as if the
+    job had died after step 2's save), the same run folder rerun with --tp 2 instead
+    resumes at step 2 and logs steps 3 and 4 as the first run did (fp32: other sums,
+    1e-5 relative)."""
+    flags = [*TINY, "--max-steps", 4, "--ckpt-freq", 2, "--save-dir", tmp_path, "--experiment-name", "moved"]
+    run_warm(torchrun_cmd(2, SCRIPT, *flags, "--cp", 2), env=NO_GPU)
+    first = {r["step"]: r["loss"] for r in read_jsonl(tmp_path / "moved" / "metrics.jsonl")}
+    checkpoints = tmp_path / "moved" / "checkpoints"
+    shutil.rmtree(checkpoints / "step-00000004")
+    (checkpoints / "latest").unlink()  # the newest step-N folder is then the one resumed
+    proc = run_warm(torchrun_cmd(2, SCRIPT, *flags, "--tp", 2), env=NO_GPU)
+    assert "resumed from " in proc.stdout and "step-00000002 (saved by pp 1 x dp 1 x cp 2 x tp 1, ring attention)" \
+        in proc.stdout, proc.stdout[-3000:]
+    again = {r["step"]: r["loss"] for r in read_jsonl(tmp_path / "moved" / "metrics.jsonl")[-2:]}
+    assert sorted(again) == [3, 4] and [again[s] for s in (3, 4)] == pytest.approx([first[3], first[4]], rel=1e-5)
+
+
 # ------------------------------------------------------------------ measured
 
 def test_work_activations_and_bytes_per_rank_are_the_planners(tmp_path):
