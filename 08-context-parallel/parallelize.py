@@ -106,11 +106,15 @@ def build_stages(config, mesh, layout: Layout, device, dtype=torch.float32, auto
             sequence_parallel.parallelize_with_torch(stage, mesh["tp"], layout.sequence_parallel)
         elif layout.tp > 1:
             sequence_parallel.parallelize(stage, mesh.get_group("tp"))
+        # With a pipeline, a stage's weights stay gathered from its first micro-batch's forward
+        # to its last backward: one all-gather a step, not one per micro-batch (torchtitan's
+        # default; the Llama 3 run's too). Without one, each layer is freed after its forward.
+        reshard = layout.pp == 1
         for layer in stage.layers.values():
             if activation_checkpointing:
                 checkpoint_forward(layer)
-            fully_shard(layer, mesh=mesh["dp"])
-        fully_shard(stage, mesh=mesh["dp"])  # the embedding, the final norm and the head
+            fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=reshard)
+        fully_shard(stage, mesh=mesh["dp"], reshard_after_forward=reshard)  # the embedding, the norm, the head
         stage.to_empty(device=device)  # this rank's pieces only
         stage.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                        config.rope_theta).to(device)  # computed, not drawn
