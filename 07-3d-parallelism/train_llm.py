@@ -101,6 +101,9 @@ def check_layout(args):
                          f"{args.model_preset!r} preset's {layers} layers: a stage needs one at least")
     if (layout.schedule == "interleaved") != (layout.virtual > 1):
         raise UsageError("--schedule interleaved runs --virtual-stages 2 or more, and they need it")
+    if layout.virtual > 1 and (layout.pp == 1 or layout.microbatches % layout.pp):
+        raise UsageError(f"--virtual-stages {layout.virtual} interleave --pp 2 or more ranks, over a multiple of "
+                         f"--pp micro-batches (here --pp {layout.pp}, --microbatches {layout.microbatches})")
     if layout.sequence_shards > 1 and args.seq_length % layout.tp:
         raise UsageError(f"--seq-length {args.seq_length} is not a multiple of --tp {layout.tp}: sequence "
                          f"parallelism cuts it evenly (or --no-sequence-parallel)")

@@ -115,6 +115,8 @@ def test_the_data_position_is_the_global_batchs_and_a_per_rank_one_skips_or_repe
     (6, ["--tp", "2", "--pp", "2"], "the world size 6 is not a multiple of --tp 2 x --pp 2"),
     (2, ["--tp", "2", "--seq-length", "63"], "--seq-length 63 is not a multiple of --tp 2"),
     (2, ["--pp", "2", "--schedule", "interleaved"], "--schedule interleaved runs --virtual-stages 2 or more"),
+    (2, ["--pp", "2", "--virtual-stages", "2", "--model-preset", "small", "--batch-size", "6", "--microbatches", "3"],
+     "over a multiple of --pp micro-batches (here --pp 2, --microbatches 3)"),
     (2, ["--pp", "2", "--microbatches", "1"], "Schedule1F1B needs --microbatches >= --pp"),
     (2, ["--compile"], "--compile is not wired into this chapter's composed model"),
     (2, ["--schedule", "zb"], "unknown 'zb'; choose one of: gpipe, 1f1b, interleaved"),
