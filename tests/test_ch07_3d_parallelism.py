@@ -417,24 +417,47 @@ def test_a_damaged_checkpoint_is_not_exported(trained, tmp_path, capsys, damage,
     assert not (tmp_path / "hf").exists()
 
 
-def test_a_damaged_checkpoint_stops_the_resume_in_one_line(trained, tmp_path):
-    """The run's newest checkpoint with a flipped byte, resumed on 2 ranks: every rank
-    stops before training, the line names the file, the checkpoint is left as it was."""
+@pytest.mark.parametrize("case", ["a flipped byte", "another global batch"])
+def test_a_checkpoint_that_cannot_continue_the_run_stops_the_resume_in_one_line(trained, tmp_path, case):
+    """Resumed on 2 ranks as pp2: the run's newest checkpoint with a flipped byte, or the
+    same command with a global batch of 2 where the run had 4. Every rank stops before
+    training with one line (the file named; the --batch-size that keeps the global
+    batch), and the checkpoint is left as it was."""
     import shutil
     _, run_dir, _ = trained
-    copy = tmp_path / "ch07"
+    copy, step = tmp_path / "ch07", f"step-{STEPS:08d}"
     shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns(".owner"))
-    shard = copy / "checkpoints" / f"step-{STEPS:08d}" / "__2_0.distcp"
+    shard = copy / "checkpoints" / step / "__2_0.distcp"
     data = bytearray(shard.read_bytes())
-    data[100] ^= 0xFF
-    shard.write_bytes(bytes(data))
-    proc = run_warm(torchrun_cmd(2, SCRIPT, *TINY, "--batch-size", 4, "--pp", 2, "--max-steps", STEPS,
+    if case == "a flipped byte":
+        data[100] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    batch = 4 if case == "a flipped byte" else 2
+    proc = run_warm(torchrun_cmd(2, SCRIPT, *TINY, "--batch-size", batch, "--pp", 2, "--max-steps", STEPS,
                                  "--save-dir", tmp_path, "--experiment-name", "ch07"), env=NO_GPU, check=False)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert proc.returncode == 2 and errors, proc.stderr[-3000:]
-    assert errors[0].startswith(f"error: checkpoint {copy / 'checkpoints' / f'step-{STEPS:08d}'} is damaged "
-                                f"(__2_0.distcp does not match its checksum (corrupted))"), errors
+    if case == "a flipped byte":
+        assert errors[0].startswith(f"error: checkpoint {copy / 'checkpoints' / step} is damaged "
+                                    f"(__2_0.distcp does not match its checksum (corrupted))"), errors
+    else:
+        assert "(global batch 4 -> 2); another layout keeps the global batch with --batch-size = global batch / " \
+               "(dp x --grad-accum)" in errors[0], errors
     assert "step 1" not in proc.stdout and shard.read_bytes() == bytes(data)
+
+
+def test_export_refuses_an_out_folder_that_holds_anything(trained, tmp_path, capsys):
+    from tools import export
+    _, run_dir, _ = trained
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "notes.txt").write_text("mine")
+    for argv, message in (([str(run_dir), str(tmp_path / "hf")], "exists and is not an empty folder"),
+                          ([str(tmp_path), str(tmp_path / "out")], "is not a chapter 07 checkpoint")):
+        with pytest.raises(SystemExit) as exit_:
+            export.main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exit_.value.code == 2 and len(err) == 1 and message in err[0], err
+    assert (tmp_path / "hf" / "notes.txt").read_text() == "mine" and not (tmp_path / "out").exists()
 
 
 # ------------------------------------------------------------------- the real launchers
