@@ -3,8 +3,8 @@ from the head and one from the tail) and their attention blocks; ring attention 
 all-to-all variant equal one process's attention in fp64, output and gradients, and
 whole training steps equal chapter 01's (cp 2 and 3, beside tp, dp and pp); a merge
 without the log-sum-exp rescale, a causal mask off by a block, all-to-all's tokens out
-of order, RoPE at the shard's own positions and the cp ranks left out of FSDP's
-gradient sum each fail that proof;
+of order, RoPE at the shard's own positions, the cp ranks left out of FSDP's gradient
+sum and a merge that makes NaNs each fail that proof;
 the training script logs chapter 01's losses with --cp 2 (either attention) and with
 --cp 2 --tp 2; the work, activations and bytes per rank are counted against the
 planner, and the page's measure command prints the page's tables; a bad layout is one
@@ -196,6 +196,10 @@ MUTANTS = {
     "rotary at the shard's positions": (
         "context_parallel.py", "training", "    positions = shard_positions(split, group).to(model.rotary.cos.device)\n",
         "    positions = torch.arange(split.seq_len // split.cp).to(model.rotary.cos.device)\n"),
+    # the joint log-sum-exp a plain sum: the first block's -inf makes NaNs, which stop the proof at once
+    "log-sum-exps added": (
+        "context_parallel.py", "training", "    new_lse = torch.logaddexp(lse, block_lse)\n",
+        "    new_lse = lse + block_lse\n"),
     # FSDP over the dp ranks only: the cp ranks' gradients, each of its own tokens, never summed
     "cp ranks left out of FSDP": (
         "context_parallel.py", "training",
@@ -225,6 +229,8 @@ def test_each_named_bug_fails_the_proof(tmp_path, mutant):
         assert max(wrong[f"{variant}, balanced"].values()) > 1e6, wrong
         assert variant == "all-to-all" or max(wrong["ring, contiguous"].values()) > 1e6, wrong
         assert f"FAILED: {variant}, balanced: output differs from one process's" in proc.stderr
+    elif mutant == "log-sum-exps added":  # stopped at the first value that is not finite, named in one line
+        assert result["failures"] == ["cp2: step 1: the loss is nan"], result["failures"]
     else:
         assert max(result["training"]["cp2"].values()) > 1e3, result["training"]
         assert "FAILED: cp2: step 1: " in proc.stderr, proc.stderr[-2000:]
