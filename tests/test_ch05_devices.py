@@ -222,17 +222,18 @@ def torchrun_env(monkeypatch):
 
 
 def steps_seen(monkeypatch, cls, run):
-    """Every training step `run()` takes through `cls.step`: (mode, weight dtype,
-    deterministic kernels on, TF32 on), with TF32 on at the start as a GPU run starts
-    (set through torch's API and put back by hand: pytest's monkeypatch cannot restore a
-    flag that cuBLASModule keeps outside its __dict__)."""
-    seen, step = [], cls.step
+    """Every training step `run()` takes, as each ends with `cls.update` (the proof's steps
+    and the timed ones alike): (mode, weight dtype, deterministic kernels on, TF32 on),
+    with TF32 on at the start as a GPU run starts (set through torch's API and put back by
+    hand: pytest's monkeypatch cannot restore a flag that cuBLASModule keeps outside its
+    __dict__)."""
+    seen, update = [], cls.update
 
-    def recording_step(self, x, y):
+    def recording_update(self):
         seen.append((self.mode, next(self.model.parameters()).dtype,
                      torch.are_deterministic_algorithms_enabled(), tf32_enabled()))
-        return step(self, x, y)
-    monkeypatch.setattr(cls, "step", recording_step)
+        return update(self)
+    monkeypatch.setattr(cls, "update", recording_update)
     was = tf32_enabled()
     set_tf32(True)
     try:

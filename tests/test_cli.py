@@ -432,7 +432,7 @@ def test_every_script_a_reader_runs_goes_through_run_main():
         calls = {node.func.id for block in main_block for node in ast.walk(block)
                  if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
         assert ("run_main" in calls) == (script not in SHOWS_ITS_OWN_FAILURE), script
-    assert checked == 16  # the scripts of chapters 01-06
+    assert checked == 23  # the scripts of chapters 01-08
 
 
 SCRIPTS_AND_BAD_FLAGS = [
@@ -600,7 +600,8 @@ def test_ctrl_c_while_torch_is_imported_stops_the_run_as_python_does(tmp_path):
 def test_only_a_script_that_resumes_says_that_a_rerun_resumes(capsys, monkeypatch, restarts):
     """A lost peer's line promised "chapter 04 resumes from its last checkpoint" in every
     script, chapter 05's too, which keep no checkpoint. Only run_main(resumes=True), which
-    chapter 04's script alone passes, says it now: after the rerun, or torchrun's restart."""
+    only the scripts that checkpoint pass (chapters 04, 07 and 08), says it now: after the
+    rerun, or torchrun's restart."""
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", str(restarts))
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
@@ -618,7 +619,8 @@ def test_only_a_script_that_resumes_says_that_a_rerun_resumes(capsys, monkeypatc
     for path in sorted(REPO.glob("0*/*.py")):
         for call in re.findall(r"run_main\((.*)\)", path.read_text()):
             callers[path.relative_to(REPO).as_posix()] = "resumes=True" in call
-    assert {script for script, resumes in callers.items() if resumes} == {"04-checkpointing/train_llm.py"}
+    assert {script for script, resumes in callers.items() if resumes} == {
+        "04-checkpointing/train_llm.py", "07-3d-parallelism/train_llm.py", "08-context-parallel/train_llm.py"}
     assert any(script.startswith("05-collectives/") for script in callers), callers
 
 

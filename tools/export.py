@@ -55,11 +55,15 @@ def checkpoint_folder(text: str) -> Path:
 
 def parse_args(argv=None):
     p = Parser(prog="python -m tools.export", description=__doc__.split("\n\n")[0])
-    p.add_argument("checkpoint", help="a checkpoint folder (step-N), or the run folder whose newest it takes")
-    p.add_argument("out", help="the transformers folder to write (must not exist, or be empty)")
+    # (optional to argparse, so that a mistyped flag is named before a missing folder)
+    p.add_argument("checkpoint", nargs="?", help="a checkpoint folder (step-N), or the run folder whose newest "
+                                                 "it takes")
+    p.add_argument("out", nargs="?", help="the transformers folder to write (must not exist, or be empty)")
     p.add_argument("--dtype", type=one_of(*DTYPES), default="fp32", help="the weights' dtype in the export")
 
     def check(args):
+        if args.checkpoint is None or args.out is None:
+            raise UsageError("name the checkpoint and the folder to write: python -m tools.export CHECKPOINT OUT")
         args.step_dir = checkpoint_folder(args.checkpoint)
         if not (args.step_dir / "manifest.json").is_file() or not (args.step_dir / ".metadata").is_file():
             raise UsageError(f"{args.checkpoint!r} is not a chapter 07 checkpoint (a step-N folder holding "
