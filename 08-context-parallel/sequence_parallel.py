@@ -49,7 +49,7 @@ SEQUENCE_DIM = 1  # activations are (batch, sequence, hidden)
 
 
 def all_reduce(t, group, op=dist.ReduceOp.SUM):
-    """Every collective below goes through these three (measure.py counts their bytes)."""
+    """`t` summed (or `op`) over the ranks of `group`, in place: the vocabulary-parallel loss's sums."""
     dist.all_reduce(t, op=op, group=group)
     return t
 

@@ -55,6 +55,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.launch,  # every launch as a reader m
 
 CH01, CH02, CH03 = "01-single-gpu/train_llm.py", "02-data-parallel/train_llm.py", "03-ddp/train_llm.py"
 CH06 = "06-model-parallel/train_llm.py"
+CH07, CH08_PROVE = "07-3d-parallelism/train_llm.py", "08-context-parallel/prove.py"
 CH01_MEMORY = "01-single-gpu/memory_anatomy.py"
 CH05 = "05-collectives"
 GLOO = {"LLM_GUIDE_BACKEND": "gloo"}   # two ranks on the one GPU
@@ -521,3 +522,50 @@ def test_ch06_at_world_size_1_on_nccl_trains_what_chapter_01_trains(runs_dir, ch
     record("ch06_tiny_nccl_1", figures)
     diff = assert_trains_like(runs_dir / name, ch01_tiny)
     record("ch06_tiny_nccl_1", {**figures, "loss_rel_diff_vs_ch01": diff})
+
+
+# ---------------------------------------------------------------- chapters 07 and 08
+
+def test_ch07_at_world_size_1_on_nccl_trains_what_chapter_01_trains(runs_dir, ch01_tiny, record):
+    """torchrun with one process: nccl, a one-rank mesh, FSDP over one rank, the model
+    built on the meta device and its shards materialised on the GPU; chapter 01's
+    training to bf16's rounding, and its last checkpoint saved in shards."""
+    name = "ch07-nccl-1"
+    run(torchrun_cmd(1, CH07, *tiny(runs_dir, name, 8)), timeout=300)
+    summary = read_json(runs_dir / name / "summary.json")
+    on_the_gpu(summary, NCCL)
+    assert (runs_dir / name / "checkpoints" / "latest").read_text() == f"step-{TINY_STEPS:08d}"
+    figures = chapter_figures(summary)
+    record("ch07_tiny_nccl_1", figures)
+    diff = assert_trains_like(runs_dir / name, ch01_tiny)
+    record("ch07_tiny_nccl_1", {**figures, "loss_rel_diff_vs_ch01": diff})
+
+
+def test_ch07_fsdp_on_two_ranks_sharing_the_gpu_trains_what_chapter_01_trains(runs_dir, ch01_tiny, record):
+    """FSDP over two gloo ranks sharing the GPU (gloo moves their CUDA tensors through host
+    memory), batch 4 each: chapter 01's batch of 8, trained to bf16's rounding."""
+    name = "ch07-dp2-gloo"
+    run(torchrun_cmd(2, CH07, *tiny(runs_dir, name, 4)), env=GLOO, timeout=300)
+    summary = read_json(runs_dir / name / "summary.json")
+    on_the_gpu(summary, "gloo", world_size=2)
+    figures = chapter_figures(summary)
+    record("ch07_tiny_dp2_gloo_2", figures)
+    diff = assert_trains_like(runs_dir / name, ch01_tiny)
+    record("ch07_tiny_dp2_gloo_2", {**figures, "loss_rel_diff_vs_ch01": diff})
+
+
+def test_ch08_torchs_context_parallel_equals_the_ring(tmp_path, record):
+    """torch's context_parallel (its memory-efficient kernel, fp32, head-and-tail load
+    balancing) against chapter 08's ring on the same shards, output and gradients, with
+    nccl at world size 1 (cp 1: the ring is one causal block; on two GPUs, the same
+    command with --nproc-per-node=2 compares two blocks). Not rehearsed: torch's
+    context_parallel has no CPU kernel to shard."""
+    if REHEARSAL:
+        pytest.skip("torch's context_parallel runs on CUDA only")
+    run(torchrun_cmd(1, CH08_PROVE, "--parts", "torch", "--seq-length", 256, "--model-preset", "small",
+                     "--save-dir", tmp_path, "--experiment-name", "proof"), timeout=600)
+    result = read_json(tmp_path / "proof" / "prove.json")
+    record("ch08_context_parallel_vs_ring", result["attention"])
+    assert result["passed"]
+    (row,) = result["attention"].values()
+    assert all(v <= 1 for v in row.values()), row

@@ -35,6 +35,6 @@ CHAPTERS = (
     Chapter("05-collectives", "torchrun", None, None),  # scripts, one per mechanism
     Chapter("06-model-parallel", "torchrun", "03-ddp", 260, tour_flags=("--pp", "2")),
     Chapter("07-3d-parallelism", "torchrun", "06-model-parallel", 380, tour_flags=("--tp", "2")),
-    Chapter("08-context-parallel", "torchrun", "07-3d-parallelism", 120, tour_flags=("--cp", "2")),
+    Chapter("08-context-parallel", "torchrun", "07-3d-parallelism", 125, tour_flags=("--cp", "2")),
 )
 BY_FOLDER = {c.folder: c for c in CHAPTERS}
