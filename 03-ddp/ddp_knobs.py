@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from common.cli import positive_int
 from common.data import IGNORE_INDEX, show_progress
-from common.demos import fixed_batches, script_parser, start_demo
+from common.demos import fixed_batches, script_parser, start_group
 from common.distributed import DDP_NO_BUFFER_SYNC, gc_and_destroy_process_group
 from common.environment import device_name, environment_info, share_cpu_threads
 from common.errors import MODEL_OOM_ADVICE, run_main
@@ -218,7 +218,7 @@ def tables(results, args) -> str:
 
 def main():
     args = parse_args()
-    group = start_demo(args.timeout)
+    group = start_group(args.timeout)
     rank, world, device = group.rank, group.world, group.device
     share_cpu_threads(device)  # the machine's cores split among its processes (a collective)
     run_dir = claim_run_folder(Path(args.save_dir) / args.experiment_name, rank=rank)

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from common.cli import one_of, positive_int
-from common.demos import script_parser, start_demo
+from common.demos import script_parser, start_group
 
 GRAD_NUMEL = 1000  # the stand-in for one gradient bucket
 LINGER_S = 3  # after a failure, time for the other ranks to print theirs
@@ -61,7 +61,7 @@ def main():
     args = parse_args()
     # kill -USR1 <pid>: this process prints every thread's Python stack on stderr and goes on
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    group = start_demo(args.timeout)
+    group = start_group(args.timeout)
     rank, world = group.rank, group.world
     pids = [None] * world
     dist.all_gather_object(pids, os.getpid())

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from common.cli import comma_list, non_negative_int, one_of, positive_int
-from common.demos import script_parser, start_demo
+from common.demos import script_parser, start_group
 from common.distributed import first_error, gc_and_destroy_process_group
 from common.environment import device_name, environment_info
 from common.errors import UsageError, run_main
@@ -246,7 +246,7 @@ def plot(rows, path, title):
 
 def main():
     args = parse_args()
-    group = start_demo(args.timeout)  # one process per device: nccl on GPUs, gloo on CPUs
+    group = start_group(args.timeout)  # one process per device: nccl on GPUs, gloo on CPUs
     rank, world, device, backend = group.rank, group.world, group.device, group.backend
     # Only now, after set_device: each rank checks its own GPU. Every rank hears the first
     # rank's error and all stop, before any buffer or folder exists.

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from common.cli import one_of
-from common.demos import script_parser, start_demo
+from common.demos import script_parser, start_group
 from common.distributed import gc_and_destroy_process_group
 from common.errors import run_main
 
@@ -317,7 +317,7 @@ def main():
     args = parse_args()
     # One process per device: nccl moves GPU memory between GPUs, gloo moves CPU memory
     # over sockets. The timeout bounds how long any collective may wait for the others.
-    group = start_demo(args.timeout)
+    group = start_group(args.timeout)
     rank, world, device = group.rank, group.world, group.device
     if args.timeout_demo:
         # After a timeout the group is broken: tearing it down, even the interpreter's own

@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from common.cli import comma_list, non_negative_int, positive_float, positive_int
 from common.data import IGNORE_INDEX, show_progress
-from common.demos import fixed_batches, script_parser, start_demo
+from common.demos import fixed_batches, script_parser, start_group
 from common.distributed import DDP_NO_BUFFER_SYNC, gc_and_destroy_process_group
 from common.environment import device_name, environment_info
 from common.errors import MODEL_OOM_ADVICE, run_main
@@ -415,7 +415,7 @@ def results_table(results, proof) -> str:
 
 def main():
     args = parse_args()
-    group = start_demo(args.timeout)
+    group = start_group(args.timeout)
     rank, world = group.rank, group.world
     run_dir = claim_run_folder(Path(args.save_dir) / args.experiment_name, rank=rank)
     data, batches = fixed_batches(args.dataset_name, args.seq_length, args.batch_size,

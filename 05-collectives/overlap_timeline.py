@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from common.cli import comma_list, non_negative_int, positive_float
 from common.data import show_progress
-from common.demos import fixed_batches, profiler_activities, script_parser, start_demo
+from common.demos import fixed_batches, profiler_activities, script_parser, start_group
 from common.distributed import gc_and_destroy_process_group
 from common.environment import device_name, environment_info
 from common.errors import MODEL_OOM_ADVICE, run_main
@@ -97,7 +97,7 @@ def trace_one_step(trainer, batches, demo) -> dict:
 
 def main():
     args = parse_args()
-    demo = start_demo(args.timeout)
+    demo = start_group(args.timeout)
     try:
         return run(args, demo)
     finally:

@@ -53,7 +53,7 @@ from torch.distributed.fsdp import fully_shard
 
 from common.cli import positive_int
 from common.data import IGNORE_INDEX
-from common.demos import fixed_batches, script_parser, start_demo
+from common.demos import fixed_batches, script_parser, start_group
 from common.distributed import first_error, gc_and_destroy_process_group, on_rank0
 from common.files import (atomic_write, fsync_dir, fsync_write, is_disk_full, one_line, sha256_of,
                           verify_manifest, write_manifest)
@@ -118,7 +118,7 @@ def ranks(n: int) -> str:
 
 def main():
     args = parse_args()
-    demo = start_demo(args.timeout)
+    demo = start_group(args.timeout)
     try:
         with exact_kernels():  # deterministic kernels, no TF32: the loaded state must match to the bit
             return run(args, demo)

@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from common.cli import comma_list, non_negative_int, positive_int
 from common.data import IGNORE_INDEX, show_progress
-from common.demos import fixed_batches, script_parser, start_demo
+from common.demos import fixed_batches, script_parser, start_group
 from common.distributed import DDP_NO_BUFFER_SYNC, gc_and_destroy_process_group
 from common.errors import MODEL_OOM_ADVICE, UsageError, run_main
 from common.model import LlamaForCausalLM, get_config, num_parameters
@@ -373,7 +373,7 @@ def ddp_state(trainer):
 
 def main():
     args = parse_args()
-    demo = start_demo(args.timeout)
+    demo = start_group(args.timeout)
     try:
         return run(args, demo)
     finally:

@@ -49,7 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from common.cli import comma_list, non_negative_int, one_of, positive_int, seed_value
-from common.demos import script_parser, start_demo
+from common.demos import script_parser, start_group
 from common.distributed import gc_and_destroy_process_group
 from common.environment import share_cpu_threads
 from common.errors import MODEL_OOM_ADVICE, UsageError, run_main
@@ -470,7 +470,7 @@ def report(args, group, config, results, memory, tp_bytes, run_dir):
 
 def main():
     args = parse_args()
-    group = start_demo(args.timeout)
+    group = start_group(args.timeout)
     try:
         share_cpu_threads(group.device)  # one process per core: a stage never waits for a core
         run_dir = claim_run_folder(Path(args.save_dir) / args.experiment_name, rank=group.rank)

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from common.cli import check_seq_length, one_of, positive_float, positive_int, seed_value
-from common.demos import exact_kernels, script_parser, start_demo
+from common.demos import exact_kernels, script_parser, start_group
 from common.distributed import gc_and_destroy_process_group
 from common.errors import MODEL_OOM_ADVICE, UsageError, run_main
 from common.layout import every_layout
@@ -258,7 +258,7 @@ def fingerprint(tensors: dict) -> tuple:
 
 def main():
     args = parse_args()
-    group = start_demo(args.timeout)
+    group = start_group(args.timeout)
     try:
         return run(args, group)
     finally:

@@ -44,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from common.cli import comma_list, non_negative_int, one_of, positive_int, seed_value
-from common.demos import script_parser, start_demo
+from common.demos import script_parser, start_group
 from common.distributed import gc_and_destroy_process_group
 from common.errors import MODEL_OOM_ADVICE, UsageError, run_main
 from common.model import PRESETS, get_config
@@ -270,7 +270,7 @@ def measure_layout(args, group, config, layout: Layout) -> dict:
 
 def main():
     args = parse_args()
-    group = start_demo(args.timeout)
+    group = start_group(args.timeout)
     try:
         run(args, group)
     finally:

@@ -44,7 +44,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 import sequence_parallel
 from common.cli import check_seq_length, one_of, positive_float, positive_int, seed_value
-from common.demos import exact_kernels, script_parser, start_demo
+from common.demos import exact_kernels, script_parser, start_group
 from common.distributed import gc_and_destroy_process_group
 from common.errors import MODEL_OOM_ADVICE, UsageError, run_main
 from common.model import PRESETS, LlamaForCausalLM, RMSNorm, get_config, num_parameters
@@ -310,7 +310,7 @@ class Trainer:
 
 def main():
     args = parse_args()
-    group = start_demo(args.timeout)
+    group = start_group(args.timeout)
     logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)  # gathering 2-D shards: a note per rank
     try:
         return run(args, group)

@@ -40,7 +40,7 @@ from torch.utils.data import DistributedSampler
 
 from checkpoint import ResumableSampler, TrainState, latest_checkpoint, load_checkpoint, replica_start, save_checkpoint
 from common.cli import check_seq_length, non_negative_int, one_of, positive_float, positive_int, seed_value
-from common.demos import exact_kernels, script_parser, start_demo
+from common.demos import exact_kernels, script_parser, start_group
 from common.distributed import gc_and_destroy_process_group
 from common.errors import MODEL_OOM_ADVICE, UsageError, run_main
 from common.model import PRESETS, get_config
@@ -98,7 +98,7 @@ def config_of(args):
 
 def main():
     args = parse_args()
-    group = start_demo(args.timeout)
+    group = start_group(args.timeout)
     logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)  # gathering 2-D shards: a note per rank
     try:
         return run(args, group)

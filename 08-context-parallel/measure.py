@@ -38,7 +38,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from common.cli import comma_list, one_of, positive_int, seed_value
 from common.data import IGNORE_INDEX
-from common.demos import script_parser, start_demo
+from common.demos import script_parser, start_group
 from common.distributed import gc_and_destroy_process_group
 from common.environment import share_cpu_threads
 from common.errors import MODEL_OOM_ADVICE, UsageError, run_main
@@ -247,7 +247,7 @@ def report(args, demo, config, work, activations, traffic, run_dir):
 
 def main():
     args = parse_args()
-    demo = start_demo(args.timeout)
+    demo = start_group(args.timeout)
     try:
         share_cpu_threads(demo.device)
         run_dir = claim_run_folder(Path(args.save_dir) / args.experiment_name, rank=demo.rank)

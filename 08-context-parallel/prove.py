@@ -39,7 +39,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import context_parallel
 from common.cli import comma_list, one_of, positive_float, positive_int, seed_value
-from common.demos import exact_kernels, script_parser, start_demo
+from common.demos import exact_kernels, script_parser, start_group
 from common.distributed import gc_and_destroy_process_group
 from common.errors import MODEL_OOM_ADVICE, UsageError, run_main
 from common.layout import check_vocabulary
@@ -468,7 +468,7 @@ def report(args, demo, attention, training, failures, run_dir):
 
 def main():
     args = parse_args()
-    demo = start_demo(args.timeout)
+    demo = start_group(args.timeout)
     try:
         run_dir = claim_run_folder(Path(args.save_dir) / args.experiment_name, rank=demo.rank)
         config = config_of(args)

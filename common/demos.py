@@ -3,7 +3,7 @@ debug_hang.py, chapter 05's scripts, chapter 06's proof and measurements), which
 training scripts do not need:
 
 - `script_parser`: their flags and checks (torchrun with at least N processes, ...);
-- `start_demo`: their process group, one process per device;
+- `start_group`: their process group, one process per device;
 - `fixed_batches`: the same batches for every method a script compares;
 - `all_gather_single`, `reduce_scatter_single`: the two collectives under this torch's names;
 - `exact_kernels`: deterministic kernels and no TF32 while a proof runs (chapters 05, 06).
@@ -83,7 +83,7 @@ def local_gpu(local_rank: int) -> torch.device:
 
 
 @dataclass
-class Demo:
+class Group:
     """A chapter 05 script's process group: this rank, the world size, the one device
     whose tensors its collectives may send, and the backend (nccl or gloo)."""
     rank: int
@@ -92,11 +92,11 @@ class Demo:
     backend: str
 
 
-def start_demo(timeout_s: float) -> Demo:
+def start_group(timeout_s: float) -> Group:
     """The chapter 05 scripts' process group: torchrun set RANK, LOCAL_RANK, WORLD_SIZE,
     MASTER_ADDR and MASTER_PORT; nccl moves GPU memory between GPUs, gloo moves CPU
     memory over sockets (and, with LLM_GUIDE_BACKEND=gloo, GPU memory through the host).
-    Every tensor a collective sends must live on `Demo.device`: nccl refuses CPU tensors. (The proofs ask for exact kernels
+    Every tensor a collective sends must live on `Group.device`: nccl refuses CPU tensors. (The proofs ask for exact kernels
     themselves, for their duration only: `exact_kernels` below.)"""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     kwargs = {}
@@ -107,7 +107,7 @@ def start_demo(timeout_s: float) -> Demo:
     if backend == "nccl":
         kwargs["device_id"] = device
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
-    return Demo(dist.get_rank(), dist.get_world_size(), device, backend)
+    return Group(dist.get_rank(), dist.get_world_size(), device, backend)
 
 
 def fixed_batches(dataset_name: str, seq_len: int, batch_size: int, count: int, seed: int,

@@ -138,14 +138,14 @@ def no_progress_bars_unless_asked():
 @pytest.fixture
 def one_rank_group():
     """A gloo process group of one rank inside the test (one CPU thread): the scripts'
-    functions without the cost of starting torchrun and its workers. Yields the Demo
-    that `common.distributed.start_demo` would return."""
+    functions without the cost of starting torchrun and its workers. Yields the Group
+    that `common.distributed.start_group` would return."""
     import torch
     import torch.distributed as dist
-    from common.demos import Demo
+    from common.demos import Group
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     torch.set_num_threads(1)
-    yield Demo(0, 1, torch.device("cpu"), "gloo")
+    yield Group(0, 1, torch.device("cpu"), "gloo")
     dist.destroy_process_group()
 
 

@@ -190,7 +190,7 @@ def test_bench_checks_its_own_gpu_after_set_device(eight_fake_gpus, monkeypatch,
     assert err == [f"error: --max-bytes {8 * 2**30}: the largest buffers need about 16.0 GiB on GPU 3 and "
                    f"10.0 GiB are available; lower --max-bytes"], err
     assert not (tmp_path / "out").exists()
-    # 3. start_demo leaves the fast fp32 kernels alone: the timed steps may use TF32
+    # 3. start_group leaves the fast fp32 kernels alone: the timed steps may use TF32
     assert tf32_enabled() == tf32 and not torch.are_deterministic_algorithms_enabled()
 
 
@@ -260,7 +260,7 @@ def test_ddp_from_scratch_proves_in_fp64_and_times_in_the_training_dtype(group, 
     demo, _ = group
     monkeypatch.setattr(sys, "argv", ["ddp_from_scratch.py", *FLAGS, "--modes", "bucketed,ddp",
                                       "--save-dir", str(tmp_path), "--experiment-name", "x"])
-    monkeypatch.setattr(scratch, "start_demo", lambda timeout: demo)
+    monkeypatch.setattr(scratch, "start_group", lambda timeout: demo)
     monkeypatch.setattr(scratch, "gc_and_destroy_process_group", lambda: None)  # the fixture's group
     proof_steps, timed = steps_seen(monkeypatch, scratch.Replica, scratch.main)
     assert proof_steps == [("bucketed", torch.float64), ("ddp", torch.float64)] * 2

@@ -153,7 +153,7 @@ def test_the_picture_says_what_its_percentages_count(tmp_path, monkeypatch):
     import matplotlib.figure
     from argparse import Namespace
 
-    from common.demos import Demo
+    from common.demos import Group
     drawn = []
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: drawn.append(fig))
     phases = [("forward", 0.0, 3.0), ("backward", 3.0, 8.0), ("optimizer", 8.0, 9.0)]
@@ -163,7 +163,7 @@ def test_the_picture_says_what_its_percentages_count(tmp_path, monkeypatch):
     args = Namespace(modes=["zero3", "ddp", "ch03-ddp"], bucket_mb=25.0, model_preset="tiny",
                      batch_size=2, seq_length=32)
     module = load_script(SCRIPT)
-    module.report(args, Demo(0, 1, "cpu", "gloo"), {"zero3": [zero3], "ddp": [ddp], "ch03-ddp": [ddp]},
+    module.report(args, Group(0, 1, "cpu", "gloo"), {"zero3": [zero3], "ddp": [ddp], "ch03-ddp": [ddp]},
                   tmp_path)
     [fig] = drawn
     titles = [ax.get_title(loc="left") for ax in fig.axes]
