@@ -1,5 +1,5 @@
-"""Every "What you should see" block of chapters 01-05 is what the page's own command
-prints: the command is run as the page writes it (its run folder redirected), and each
+"""Every "What you should see" block of chapters 01-05 (chapter 05's pages on DDP rebuilt
+and on sharding too) is what the page's own command prints: the command is run as the page writes it (its run folder redirected), and each
 line the block shows must be in its output, in order. `...` in a block stands for what
 the page leaves out (timestamps, speeds, torchrun's lines), a line of `...` for any
 lines."""
@@ -52,6 +52,10 @@ PAGE_04 = "04-checkpointing/README.md"
 RUN_04 = "--crash-at-step 15"
 PAGE_05 = "05-collectives/README.md"
 RUN_05 = "torchrun --standalone --nproc-per-node=3 05-collectives/collectives_demo.py"
+PAGE_DP = "05-collectives/data-parallel.md"
+RUN_DP = "torchrun --standalone --nproc-per-node=2 05-collectives/ddp_from_scratch.py --modes naive,bucketed,overlap,ddp"
+PAGE_SH = "05-collectives/sharding.md"
+RUN_SH = "torchrun --standalone --nproc-per-node=2 05-collectives/sharded_from_scratch.py"
 
 
 @pytest.mark.parametrize("page, command", [(PAGE_01, RUN_01), (PAGE_02, RUN_02), (PAGE_03, RUN_03)])
@@ -84,3 +88,35 @@ def test_the_crash_command_prints_what_its_page_shows(tmp_path):
                                                             proc.stdout[-3000:], proc.stderr[-3000:])
     last = re.search(r"step 30/30 \| loss [\d.]+", shown)[0]
     assert last in shown_after(PAGE_03, RUN_03)  # as an uninterrupted run ends
+
+
+def shown_lines(page: str, command: str) -> list[str]:
+    """What a page shows for `command` in its "What you should see" section, up to its
+    first bullet: the table's rows and the text block's lines."""
+    text = (REPO / page).read_text()
+    start = max(text.index(command) + len(command), text.index("## What you should see"))
+    section = text[start:].split("\n- ", 1)[0]
+    return [line for line in section.splitlines() if line.startswith("|") or line.startswith("OK:")]
+
+
+def missing_lines(shown: list[str], stdout: str) -> list[str]:
+    """The lines shown that no line of stdout matches, spaces aside (`…`: any figure)."""
+    def squeeze(line):
+        return re.sub(r"\s+", " ", line.strip())
+    out = [squeeze(line) for line in stdout.splitlines()]
+    patterns = [re.compile(".*".join(map(re.escape, squeeze(line).split("…")))) for line in shown]
+    return [line for line, pattern in zip(shown, patterns) if not any(pattern.fullmatch(o) for o in out)]
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("page, command", [(PAGE_DP, RUN_DP), (PAGE_SH, RUN_SH)], ids=["ddp-rebuilt", "sharding"])
+def test_chapter_05s_pages_show_what_their_commands_print(tmp_path, page, command):
+    """DDP rebuilt and sharding, each page's command as written (the small preset, its
+    float64 proof, then its timed steps: a minute of two processes each): every row of the
+    table the page shows (its speeds left out as `…`: they depend on the machine; the
+    calls, bytes and proof columns do not) and the proof's last line."""
+    argv = {RUN_DP: readme_command(PAGE_DP, RUN_DP), RUN_SH: readme_command(PAGE_SH, RUN_SH)}[command]
+    proc = run([*argv, "--save-dir", tmp_path], env={"CUDA_VISIBLE_DEVICES": ""}, timeout=900)
+    shown = shown_lines(page, command)
+    assert len(shown) >= 6 and not missing_lines(shown, proc.stdout), (missing_lines(shown, proc.stdout),
+                                                                      proc.stdout[-4000:])
