@@ -3,18 +3,15 @@
 bytes tensor parallelism all-reduces, against what `python -m tools.plan` says (its
 formulas: common/sizing.py).
 
-The bubble. Every rank is a pipeline stage (pp = the world size). This chapter's
-Pipeline runs --steps steps of each schedule for every micro-batch count in
---microbatches, each micro-batch of --microbatch-size samples, so that a forward or
-backward takes the same time whatever m is. Pipeline.step calls back (`phase`) as each
-forward and backward starts and ends; the stages share one machine's monotonic clock
-(on a GPU the callback waits for the device first). From these times, per step (see
-`split_step`): each stage's idle share of the real step; the schedule's own bubble,
-from the operations replayed through the schedule with free communication, against
-(p - 1) / (m + p - 1); and communication and overhead, the share of the real step
-beyond that replay. On a CPU, run one process per core: a stage that waits for a core
-looks busy or idle at random. The tokens are random over a --vocab-size vocabulary (a
-small one keeps the last stage's head from outweighing a decoder layer).
+The bubble. Every rank is a pipeline stage (pp = the world size). Pipeline runs --steps
+steps of each schedule for every m in --microbatches, each micro-batch of
+--microbatch-size samples (a forward or backward takes the same time whatever m is), and
+calls back (`phase`) as each forward and backward starts and ends, on one machine's
+clock (on a GPU after waiting for the device). Per step (`split_step`): each stage's
+idle share; the schedule's own bubble, the operations replayed with free communication,
+against (p - 1) / (m + p - 1); and communication and overhead, the rest. On a CPU, run
+one process per core. The tokens are random over --vocab-size: at 64 the head costs
+about 2% of a layer, so the stages are equal (at 512, 11% apart).
 
 What a stage keeps: one more step of each schedule and m, every tensor its operations
 create counted while it lives (a dispatch mode, as torch's MemTracker counts them): the
@@ -74,7 +71,7 @@ def parse_args(argv=None):
     p.add_argument("--model-preset", default="small", type=one_of(*PRESETS), help="model size")
     p.add_argument("--seq-length", type=positive_int, default=128, help="tokens per sample")
     p.add_argument("--microbatch-size", type=positive_int, default=1, help="samples per micro-batch")
-    p.add_argument("--vocab-size", type=positive_int, default=512, help="vocabulary of the random tokens")
+    p.add_argument("--vocab-size", type=positive_int, default=64, help="vocabulary of the random tokens")
     p.add_argument("--microbatches", type=comma_list(*COUNTS), default="1,2,4,8",
                    help="micro-batch counts m to measure")
     p.add_argument("--steps", type=positive_int, default=4, help="measured steps per schedule and m")
@@ -102,10 +99,6 @@ def one_replica(world: int, config) -> list[Layout]:
 
 
 # ---- the bubble ----------------------------------------------------------------------
-
-def textbook_bubble(p: int, m: int) -> float:
-    return (p - 1) / (m + p - 1)
-
 
 def clock(device) -> float:
     if device.type == "cuda":
@@ -188,21 +181,26 @@ def replay(actions: list, durations: list) -> tuple[float, list[float]]:
     return max(free), [sum(d) for d in durations]
 
 
-def split_step(steps, p: int, schedule: str, m: int) -> dict:
+def typical_durations(runs) -> list[dict]:
+    """Each stage's forward and backward as the replay times them: the median of all it
+    measured in every run (its imbalance stays in; the machine's noise goes)."""
+    return [{kind: statistics.median(b - a for steps in runs for step in steps for k, a, b in step[s][2] if k == kind)
+             for kind in "FB"} for s in range(len(runs[0][0]))]
+
+
+def split_step(steps, p: int, schedule: str, m: int, typical: list[dict]) -> dict:
     """One measured step, every stage's (start, end, operations): each stage's idle share
-    of the real step and busy seconds; the schedule's bubble, from a replay of the
-    schedule in which each stage's forwards and backwards take the median of its own
-    (noise of the machine taken out, the stages' imbalance left in): the idle share of
-    its busiest stage, which only waits while the pipeline fills and drains; and
-    communication and overhead, the share of the real step beyond the replay."""
+    of the real step and busy seconds; the schedule's bubble, the idle share of the
+    busiest stage (it waits only while the pipeline fills and drains) when the schedule
+    is replayed with free communication and each operation at its `typical` duration; and
+    communication and overhead, the real step's share beyond a replay of its own operations."""
     begin, finish = min(s[0] for s in steps), max(s[1] for s in steps)
-    busy = [sum(b - a for _, a, b in s[2]) for s in steps]
-    typical = [{kind: statistics.median(b - a for k, a, b in s[2] if k == kind) for kind in "FB"} for s in steps]
-    durations = [[typical[s][kind] for kind, _ in SCHEDULES[schedule](m, p, s)] for s in range(p)]
-    length, replayed = replay([SCHEDULES[schedule](m, p, s) for s in range(p)], durations)
+    busy, actions = [sum(b - a for _, a, b in s[2]) for s in steps], [SCHEDULES[schedule](m, p, s) for s in range(p)]
+    length, replayed = replay(actions, [[typical[s][kind] for kind, _ in actions[s]] for s in range(p)])
+    own, _ = replay(actions, [[b - a for _, a, b in s[2]] for s in steps])
     real = finish - begin
     return {"idle": [1 - b / real for b in busy], "schedule": 1 - max(replayed) / length,
-            "communication_overhead": 1 - length / real, "busy": busy}
+            "communication_overhead": 1 - own / real, "busy": busy}
 
 
 def pipeline_step(pipeline, micro_batches, loss_fn, recorder):
@@ -231,7 +229,7 @@ def measure_bubble(args, group, config):
     def loss_fn(logits, y):
         return F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum") / tokens
 
-    results = []
+    runs, results = [], []
     for schedule in ("gpipe", "1f1b"):
         pipeline = Pipeline(module, stage=stage, stages=p, prev_rank=stage - 1 if stage else None,
                             next_rank=stage + 1 if stage < p - 1 else None, schedule=schedule,
@@ -253,21 +251,24 @@ def measure_bubble(args, group, config):
             del live, recorder
             everyone = [None] * p
             dist.all_gather_object(everyone, (steps, kept))
-            split = [split_step([s[i] for s, _ in everyone], p, schedule, m) for i in range(args.steps)]
-            results.append({
-                "schedule": schedule, "m": m, "stages": p,
-                "idle_per_stage": [statistics.median(s["idle"][k] for s in split) for k in range(p)],
-                "idle": statistics.median(statistics.median(s["idle"]) for s in split),
-                "schedule_bubble": statistics.median(s["schedule"] for s in split),
-                "communication_overhead": statistics.median(s["communication_overhead"] for s in split),
-                "textbook": textbook_bubble(p, m),
-                "busy_s_per_stage": [statistics.median(s["busy"][k] for s in split) for k in range(p)],
-                "kept_bytes_per_stage": [k for _, k in everyone],
-                "kept_bytes_planned": [stage_kept_bytes(config, tokens, args.seq_length, PRECISIONS["fp32"], 1, p, s,
-                                                        schedule, m, cpu=group.device.type == "cpu")
-                                       for s in range(p)],
-                "in_flight_planned": [in_flight(schedule, m, p, s) for s in range(p)],
-                "timeline": last_step(everyone)})
+            runs.append((schedule, m, everyone))
+    typical = typical_durations([[[s[i] for s, _ in run] for i in range(args.steps)] for _, _, run in runs])
+    for schedule, m, everyone in runs:
+        split = [split_step([s[i] for s, _ in everyone], p, schedule, m, typical) for i in range(args.steps)]
+        results.append({
+            "schedule": schedule, "m": m, "stages": p,
+            "idle_per_stage": [statistics.median(s["idle"][k] for s in split) for k in range(p)],
+            "idle": statistics.median(statistics.median(s["idle"]) for s in split),
+            "schedule_bubble": statistics.median(s["schedule"] for s in split),
+            "communication_overhead": statistics.median(s["communication_overhead"] for s in split),
+            "textbook": (p - 1) / (m + p - 1),
+            "busy_s_per_stage": [statistics.median(s["busy"][k] for s in split) for k in range(p)],
+            "kept_bytes_per_stage": [k for _, k in everyone],
+            "kept_bytes_planned": [stage_kept_bytes(config, tokens, args.seq_length, PRECISIONS["fp32"], 1, p, s,
+                                                    schedule, m, cpu=group.device.type == "cpu")
+                                   for s in range(p)],
+            "in_flight_planned": [in_flight(schedule, m, p, s) for s in range(p)],
+            "timeline": last_step(everyone)})
     return results
 
 
@@ -448,8 +449,7 @@ def tables(results, memory, tp_bytes) -> str:
 
 
 def timeline_count(counts) -> int:
-    """The micro-batch count the timeline shows: the largest measured up to 4 (a timeline
-    that still reads), else the smallest measured."""
+    """The m the timeline shows: the largest measured up to 4 (it still reads), else the smallest."""
     counts = sorted(map(int, counts))
     return max([n for n in counts if n <= 4], default=counts[0])
 

@@ -310,14 +310,14 @@ def table_rows(text: str, header: str) -> list[list[str]]:
 
 def test_the_pages_tables_are_what_measure_py_prints_for_its_own_command(monkeypatch):
     """The page shows measure.py's tables for its own command: at measure.py's defaults
-    (the small preset, a random vocabulary of 512, micro-batches of 1 x 128 tokens, fp32
+    (the small preset, a random vocabulary of 64, micro-batches of 1 x 128 tokens, fp32
     on a CPU) each byte count and each MiB shown is the planner's, which measure.py's own
     test above holds to what the ranks hold and keep."""
     for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(k, v)
     args = load_script(MEASURE).parse_args([])
-    assert (args.model_preset, args.vocab_size, args.microbatch_size, args.seq_length) == ("small", 512, 1, 128)
-    config, fp32, tokens = get_config("small", 512), sizing.PRECISIONS["fp32"], 128
+    assert (args.model_preset, args.vocab_size, args.microbatch_size, args.seq_length) == ("small", 64, 1, 128)
+    config, fp32, tokens = get_config("small", 64), sizing.PRECISIONS["fp32"], 128
     text = (REPO / PAGE).read_text()
     rows = table_rows(text, "| layout | stage, tp rank | params |")
     assert len(rows) == 4
