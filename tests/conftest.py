@@ -10,6 +10,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -210,6 +211,39 @@ def start(cmd: list[str], log: Path, *, env: dict | None = None, cwd: Path = REP
         return subprocess.Popen([*(["ip", "netns", "exec", netns] if netns else []), *cmd], cwd=cwd,
                                 env=full_env, stdout=out, stderr=err if err_log else subprocess.STDOUT,
                                 start_new_session=True)
+
+
+def a_machine_dies(tmp_path: Path, script: str, *flags, timeout: int = 20) -> None:
+    """Two machines, one rank each: two processes of `script` that meet at MASTER_ADDR
+    and MASTER_PORT, as the workers of two torchruns do. Once rank 0 has logged step 3,
+    rank 1's machine dies whole (SIGKILL): rank 0, waiting on it in a collective or a
+    send, must stop within --timeout (plus 60 s for a busy machine), with one line naming
+    the cause and no traceback. For tests marked launch."""
+    from procs import kill_job
+    port = free_port()
+    logs = [tmp_path / f"node{i}.log" for i in range(2)]
+    nodes = [start(python_cmd(script, *flags, "--max-steps", 100000, "--timeout", timeout, "--save-dir", tmp_path,
+                              "--experiment-name", "lost"), log,
+                   env={"RANK": str(i), "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "CUDA_VISIBLE_DEVICES": ""})
+             for i, log in enumerate(logs)]
+    try:
+        deadline = time.monotonic() + 240
+        while "step 3/" not in logs[0].read_text():  # training runs (rank 0 logs)
+            assert time.monotonic() < deadline and all(n.poll() is None for n in nodes), \
+                "\n".join(log.read_text()[-3000:] for log in logs)
+            time.sleep(0.2)
+        kill_job(nodes[1].pid)  # the whole machine of rank 1
+        lost_at = time.monotonic()
+        assert nodes[0].wait(timeout=timeout + 60) != 0, logs[0].read_text()[-3000:]
+        took = time.monotonic() - lost_at
+    finally:
+        for node in nodes:
+            kill_job(node.pid)
+    out = logs[0].read_text()
+    errors = [line for line in out.splitlines() if line.startswith("error: rank 0: a peer ")]
+    assert len(errors) == 1 and "Traceback" not in out, out[-3000:]
+    assert took < timeout + 60, took  # at most the timeout (a closed connection: at once)
 
 
 def python_cmd(script: str | Path, *args) -> list[str]:
