@@ -434,6 +434,13 @@ def refused(capsys, parse, argv) -> str:
     return lines[0]
 
 
+def refused_on_ranks(capsys, monkeypatch, parse, world: int, argv) -> str:
+    """`refused`, for a script torchrun launches: as rank 0 of `world` processes."""
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}.items():
+        monkeypatch.setenv(k, v)
+    return refused(capsys, parse, argv)
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A tmpfs of a given size in bytes (mount needs root; skipped where it fails)."""

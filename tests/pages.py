@@ -92,7 +92,8 @@ def commands_run_by_tests() -> dict[str, str]:
         strings = {t.id: node.value.value for node in tree.body if isinstance(node, ast.Assign)
                    and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
                    for t in node.targets if isinstance(t, ast.Name)}
-        launches = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", None) in ("run", "start")]
+        launches = [n for n in ast.walk(tree)
+                    if isinstance(n, ast.Call) and getattr(n.func, "id", None) in ("run", "start")]
         for node in (n for launch in launches for n in ast.walk(launch)):
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "readme_command":
                 args = [a.value if isinstance(a, ast.Constant) else strings.get(getattr(a, "id", None))

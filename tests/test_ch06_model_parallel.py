@@ -19,7 +19,7 @@ import torch
 
 from ch06_runs import chapter_01_scenario, chapter_06_scenario, kept_off_plan, unlike_chapter_01
 from conftest import CH01_STEPS, NO_GPU, REPO, TINY, a_machine_dies, load_script, read_json, read_jsonl, \
-    refused, run_warm
+    refused, refused_on_ranks, run_warm
 from common import sizing
 from common.model import LlamaConfig, get_config
 from pages import readme_command
@@ -110,9 +110,7 @@ def test_vocab_parallel_cross_entropy_is_the_summed_cross_entropy(one_rank_group
     (2, ["--schedule", "zb"], "unknown 'zb'; choose one of: gpipe, 1f1b"),
 ])
 def test_a_layout_that_does_not_fit_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys, world, argv, message):
-    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}.items():
-        monkeypatch.setenv(k, v)
-    line = refused(capsys, chapter.parse_args, [*TINY, *argv, "--save-dir", tmp_path / "out"])
+    line = refused_on_ranks(capsys, monkeypatch, chapter.parse_args, world, [*TINY, *argv, "--save-dir", tmp_path / "out"])
     assert message in line, line
     assert not (tmp_path / "out").exists()
 

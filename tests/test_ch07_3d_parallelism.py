@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from conftest import NO_GPU, REPO, TINY, a_machine_dies, load_script, python_cmd, read_json, read_jsonl, \
-    refused, run, run_warm, start, torchrun_cmd
+    refused_on_ranks, run, run_warm, start, torchrun_cmd
 from pages import readme_command
 from procs import kill_job
 
@@ -120,9 +120,7 @@ def test_the_data_position_is_the_global_batchs_and_a_per_rank_one_skips_or_repe
     (2, ["--schedule", "zb"], "unknown 'zb'; choose one of: gpipe, 1f1b, interleaved"),
 ])
 def test_a_layout_that_does_not_fit_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys, world, argv, message):
-    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}.items():
-        monkeypatch.setenv(k, v)
-    line = refused(capsys, chapter.parse_args, [*TINY, *argv, "--save-dir", tmp_path / "out"])
+    line = refused_on_ranks(capsys, monkeypatch, chapter.parse_args, world, [*TINY, *argv, "--save-dir", tmp_path / "out"])
     assert message in line, line
     assert not (tmp_path / "out").exists()
 

@@ -23,7 +23,7 @@ from common import sizing
 from common.model import get_config
 from common.sizing import PRECISIONS, cp_activation_bytes, cp_traffic_bytes
 from conftest import NO_GPU, REPO, TINY, a_machine_dies, chapter_module, load_script, read_json, read_jsonl, \
-    refused, run, run_warm, torchrun_cmd
+    refused, refused_on_ranks, run, run_warm, torchrun_cmd
 from pages import readme_command
 from tools import plan
 
@@ -124,9 +124,7 @@ def test_chapter_07s_modules_come_unchanged_but_for_a_cp_layout():
     (2, ["--cp", "2", "--cp-attention", "ulysses"], "unknown 'ulysses'; choose one of: ring, all-to-all"),
 ])
 def test_a_layout_that_does_not_fit_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys, world, argv, message):
-    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}.items():
-        monkeypatch.setenv(k, v)
-    line = refused(capsys, chapter.parse_args, [*TINY, *argv, "--save-dir", tmp_path / "out"])
+    line = refused_on_ranks(capsys, monkeypatch, chapter.parse_args, world, [*TINY, *argv, "--save-dir", tmp_path / "out"])
     assert message in line, line
     assert not (tmp_path / "out").exists()
 
