@@ -204,8 +204,23 @@ def test_slurm_script_is_valid_bash_and_launches_what_the_readme_says(tmp_path):
     assert out[2].startswith(common + "--local-addr=10.0.0.2 03-ddp/train_llm.py --experiment-name ddp-123456")
 
 
-DYNAMO_PROBE = """
-import json, os, runpy, sys
+def probe(setup: str, report: str) -> str:
+    """A wrapper script: `setup` (what it patches), then the script named by its first
+    argument, run as `python script` runs it, then `report` printed by rank 0, after an
+    exit from inside the script (sys.exit) too."""
+    return f"""import json, os, runpy, sys
+{setup}
+sys.argv = sys.argv[1:]
+sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+finally:
+    if os.environ["RANK"] == "0":
+        print({report}, flush=True)
+"""
+
+
+DYNAMO_PROBE = probe("""
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 graphs, first_step = [], []
@@ -216,14 +231,8 @@ real_compile = torch.nn.Module.compile
 # fullgraph: a graph break is an error; the counting backend: no code generation
 torch.nn.Module.compile = lambda self, *a, **k: real_compile(self, *a, **{**k, "backend": counting,
                                                                           "fullgraph": True})
-register_optimizer_step_post_hook(lambda *_: first_step or first_step.append(len(graphs)))
-sys.argv = sys.argv[1:]
-try:
-    runpy.run_path(sys.argv[0], run_name="__main__")
-finally:  # an exit from inside the script (sys.exit) too
-    if os.environ["RANK"] == "0":
-        print("DYNAMO", json.dumps({"graphs_in_step_1": first_step[0] if first_step else None}), flush=True)
-"""
+register_optimizer_step_post_hook(lambda *_: first_step or first_step.append(len(graphs)))""",
+                     '"DYNAMO", json.dumps({"graphs_in_step_1": first_step[0] if first_step else None})')
 
 
 def test_compile_under_ddp_is_one_graph_cut_by_ddps_optimizer(tmp_path):
@@ -242,22 +251,14 @@ def test_compile_under_ddp_is_one_graph_cut_by_ddps_optimizer(tmp_path):
     assert found and (found[0]["graphs_in_step_1"] or 0) >= 2, proc.stdout[-2000:]
 
 
-COUNT_COLLECTIVES = """
-import os, runpy, sys
+COUNT_COLLECTIVES = probe("""
 import torch.distributed as dist
 calls = []
 real = dist.all_reduce
 def counted(tensor, *args, **kwargs):
     calls.append(1)
     return real(tensor, *args, **kwargs)
-dist.all_reduce = counted
-sys.argv = sys.argv[1:]
-try:
-    runpy.run_path(sys.argv[0], run_name="__main__")
-finally:  # an exit from inside the script (sys.exit) too
-    if os.environ["RANK"] == "0":
-        print("ALL_REDUCE_CALLS", len(calls), flush=True)
-"""
+dist.all_reduce = counted""", '"ALL_REDUCE_CALLS", len(calls)')
 
 
 @pytest.mark.parametrize("form", ["packed", "padded"])
@@ -276,8 +277,7 @@ def test_packed_steps_send_no_token_count(tmp_path, form):
     assert calls == [2 + (6 if form == "padded" else 0)], proc.stdout[-2000:]
 
 
-COUNT_DDP_ALL_REDUCES = """
-import os, runpy, sys
+COUNT_DDP_ALL_REDUCES = probe("""
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 calls = []
@@ -288,14 +288,7 @@ def init(self, *args, **kwargs):
         calls.append(1)
         return allreduce_hook(state, bucket)
     self.register_comm_hook(None, counted)
-DistributedDataParallel.__init__ = init
-sys.argv = sys.argv[1:]
-try:
-    runpy.run_path(sys.argv[0], run_name="__main__")
-finally:  # an exit from inside the script (sys.exit) too
-    if os.environ["RANK"] == "0":
-        print("DDP_ALL_REDUCES", len(calls), flush=True)
-"""
+DistributedDataParallel.__init__ = init""", '"DDP_ALL_REDUCES", len(calls)')
 
 
 def test_accumulation_all_reduces_only_the_last_micro_batch(tmp_path):
