@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -168,6 +169,43 @@ def test_ch04_on_two_hosts_cut_cable_then_resume_exactly(hosts, uninterrupted):
     assert f"resumed from {ckpt1 / latest}" in texts[0], show(texts)
     assert not ckpt2.exists()
     assert_same_as_uninterrupted(hosts.save_dir(0) / NAME, uninterrupted[1])
+
+
+@pytest.mark.launch
+@pytest.mark.waits
+def test_ch04_a_frozen_host_ends_the_rendezvous_host_within_the_timeout(hosts):
+    """Every process of host 2 stopped mid-training (SIGSTOP: a machine that hangs with its
+    network up, its kernel still answering TCP): host 1, which holds the rendezvous, ends
+    every one of its processes, torchrun included, soon after --timeout, its worker with
+    one line. (Host 2 is a lost cause: the test kills it afterwards.)"""
+    args = [*TINY, "--max-steps", 1000, "--ckpt-freq", 0, "--experiment-name", "frozen",
+            "--timeout", TIMEOUT]
+    metrics = hosts.save_dir(0) / "frozen" / "metrics.jsonl"
+    procs, logs = start_both(hosts, CH04, args, tag="frozen", env=THREADS)
+    try:
+        wait_for_step(metrics, 2, procs)
+        frozen = host_pids(hosts.names[1])
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        t_stop, gone = time.monotonic(), None
+        while gone is None and time.monotonic() - t_stop < TIMEOUT + MARGIN:
+            if not host_pids(hosts.names[0]):
+                gone = time.monotonic() - t_stop
+            time.sleep(0.1)
+        left = host_pids(hosts.names[0])
+    finally:
+        for pid in host_pids(hosts.names[0]) + host_pids(hosts.names[1]):
+            for sig in (signal.SIGKILL, signal.SIGCONT):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+        statuses, texts = wait_both(procs, logs, timeout=30)
+    print(f"\nhost 2 stopped; every process of host 1 had ended after {gone} s (--timeout {TIMEOUT})")
+    assert gone is not None, f"host 1 still running {TIMEOUT + MARGIN} s after host 2 froze: {left}\n{show(texts)}"
+    errors = [line for line in texts[0].splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "a peer stopped answering" in errors[0], show(texts)
+    assert 'train_llm.py", line' not in texts[0], show(texts)
 
 
 # ---- (c) a wrong interface or address: every process ends on its own, one line each ----
