@@ -448,8 +448,10 @@ def longest_sequence(config: LlamaConfig, batch: int, p: Precision, dp: int, cp:
     a rank's `cp_rank_bytes` stay within `memory` bytes; 0 if not even the shortest fits
     (the bytes grow with the sequence: a binary search)."""
     step = 2 * cp * tp
-    fits = lambda n: sum(cp_rank_bytes(config, batch, n * step, p, dp, cp, tp, variant, checkpointing).values()) \
-        <= memory  # noqa: E731
+
+    def fits(n: int) -> bool:
+        return sum(cp_rank_bytes(config, batch, n * step, p, dp, cp, tp, variant, checkpointing).values()) <= memory
+
     low, high = 0, limit // step  # fits(low) holds (or low is 0), fits(high + 1) is not asked
     while low < high:
         mid = (low + high + 1) // 2

@@ -140,7 +140,7 @@ def no_progress_bars_unless_asked():
 def one_rank_group():
     """A gloo process group of one rank inside the test (one CPU thread): the scripts'
     functions without the cost of starting torchrun and its workers. Yields the Group
-    that `common.distributed.start_group` would return."""
+    that `common.demos.start_group` would return."""
     import torch
     import torch.distributed as dist
     from common.demos import Group

@@ -34,4 +34,4 @@ def test_every_other_page_says_it_goes_deeper_and_the_first_pass_links_it():
     assert others
     for page in others:
         assert page.read_text().startswith("# Going deeper: "), page.name
-        assert f"going deeper: [" in first_pass.lower() and f"]({page.name})" in first_pass, page.name
+        assert "going deeper: [" in first_pass.lower() and f"]({page.name})" in first_pass, page.name

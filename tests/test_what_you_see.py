@@ -1,6 +1,7 @@
 """Every "What you should see" block of chapters 01-05 (chapter 05's pages on DDP rebuilt
-and on sharding too) is what the page's own command prints: the command is run as the page writes it (its run folder redirected), and each
-line the block shows must be in its output, in order. `...` in a block stands for what
+and on sharding too) is what the page's own command prints: the command is run as the
+page writes it (its run folder redirected), and each line the block shows must be in its
+output, in order. `...` in a block stands for what
 the page leaves out (timestamps, speeds, torchrun's lines), a line of `...` for any
 lines."""
 

@@ -119,7 +119,8 @@ def run_warm(cmd: list[str], *, timeout: float = 300, cwd: Path, env: dict) -> s
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
-        out.touch(), err.touch()
+        out.touch()
+        err.touch()
         procs = []
         for rank in range(max(ranks, 1)):
             rank_env = dict(env)
