@@ -162,8 +162,13 @@ def provenance(r: dict) -> str:
 
 def took(r: dict) -> str:
     """'389 s', or '389 s, 586 CPU-seconds' where the record has them."""
+    return f"{r['seconds']} s{cpu_seconds(r)}"
+
+
+def cpu_seconds(r: dict) -> str:
+    """', 586 CPU-seconds', or nothing where the record has none."""
     cpu = r.get("cpu_seconds")
-    return f"{r['seconds']} s" + (f", {cpu:,} CPU-seconds" if isinstance(cpu, int) else "")
+    return f", {cpu:,} CPU-seconds" if isinstance(cpu, int) else ""
 
 
 def tour_section(r: dict) -> str:
@@ -223,9 +228,8 @@ def readme_block(records: list[dict]) -> str:
                 for x in t["runs"] if x["run"][:2] != "05"]
         busy = " (a busy machine: its speeds are not comparable)" if any(x["busy"] for x in t["runs"]) else ""
         minutes = f"{t['seconds'] // 60} min {t['seconds'] % 60:02d} s" if isinstance(t.get("seconds"), int) else "?"
-        cpu = f", {t['cpu_seconds']:,} CPU-seconds" if isinstance(t.get("cpu_seconds"), int) else ""
         parts.append(f"The tour (`{shown_command(t)}`) on {t['machine']}{busy}, torch {t['torch']}, {t['date']}: "
-                     f"{minutes}{cpu}.\n\n"
+                     f"{minutes}{cpu_seconds(t)}.\n\n"
                      + markdown_table(["run", "processes", "tokens/s", "final loss"], rows, right={1, 2, 3}))
     gpus = [r for r in records if r["kind"] == "gpu"]
     if gpus:
